@@ -1,0 +1,185 @@
+"""The analytic memory and communication model against the ZeRO paper and the seeds."""
+
+import math
+
+import pytest
+
+from zerojax.accounting import (
+    CommEstimate,
+    EstimateError,
+    MemoryEstimate,
+    comm_estimate,
+    estimate,
+    estimate_table,
+    format_bytes,
+)
+
+GB = 1e9
+
+
+def totals(num_params, devices, **kw):
+    return [estimate(num_params, devices, s, **kw).total for s in range(4)]
+
+
+def test_zero_paper_figure_1():
+    # Ψ = 7.5B, N = 64, K = 12, fp16 params and grads: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+    t = totals(7_500_000_000, 64)
+    assert t == [120 * GB, 31.40625 * GB, 16.640625 * GB, 1.875 * GB]
+    assert [round(x / GB, p) for x, p in zip(t, (0, 1, 1, 2), strict=True)] == [
+        120,
+        31.4,
+        16.6,
+        1.88,
+    ]
+    assert [format_bytes(x) for x in t] == ["120 GB", "31.4 GB", "16.6 GB", "1.88 GB"]
+
+
+def test_components_by_stage():
+    psi, n = 1000, 8
+    assert estimate(psi, n, 0) == MemoryEstimate(2000, 2000, 12000, 16000)
+    assert estimate(psi, n, 1) == MemoryEstimate(2000, 2000, 1500, 5500)
+    assert estimate(psi, n, 2) == MemoryEstimate(2000, 250, 1500, 3750)
+    assert estimate(psi, n, 3) == MemoryEstimate(250, 250, 1500, 2000)
+    assert estimate(psi, n, 2).as_dict() == {
+        "params": 2000,
+        "grads": 250,
+        "optimizer": 1500,
+        "total": 3750,
+    }
+
+
+@pytest.mark.parametrize(
+    "n, ratio, saving, printed", [(8, 5.5, 0.65625, 65), (64, 4.1875, 0.73828125, 74)]
+)
+def test_seed_001_stage_1_saving(n, ratio, saving, printed):
+    # Seed 001: 16P vs 4P + 12P/N; "At N=8 ... 5.5P, a 65% drop. At N=64 ... 4.19P, a 74% drop."
+    psi = 1_000_000
+    s0, s1 = estimate(psi, n, 0).total, estimate(psi, n, 1).total
+    assert s0 == 16 * psi
+    assert s1 == ratio * psi
+    assert 1 - s1 / s0 == saving
+    # The seed floors 65.6 % to 65 but rounds 73.8 % to 74; both are within a point.
+    assert math.floor(100 * saving) <= printed <= math.ceil(100 * saving)
+
+
+def test_seed_003_tiny_transformer():
+    # Seed 003: 260 parameters on 2 GPUs, bf16 params/grads, fp32 Adam.
+    assert totals(260, 2)[:3] == [4160, 2600, 2340]
+    assert estimate(260, 2, 2) == MemoryEstimate(520, 260, 1560, 2340)
+    rows = estimate_table(260, 2)
+    assert [r["saving"] for r in rows[:3]] == ["0.0%", "37.5%", "43.8%"]
+
+
+def test_seed_003_calculator_7b_on_8():
+    # Seed 003's calculator: 7B on 8 GPUs, 112 / 38.5 / 26.25 GB, savings 65.6 % and 76.6 %.
+    t = totals(7_000_000_000, 8)
+    assert t[:3] == [112 * GB, 38.5 * GB, 26.25 * GB]
+    assert [r["saving"] for r in estimate_table(7_000_000_000, 8)[1:3]] == ["65.6%", "76.6%"]
+
+
+def test_seed_004_simulator_70b_on_8():
+    # Seed 004: 70B, N = 8, FP16/BF16 + Adam: 1120.0 / 385.0 / 262.5 / 140.0 GB (decimal GB).
+    assert totals(70_000_000_000, 8) == [1120 * GB, 385 * GB, 262.5 * GB, 140 * GB]
+    assert format_bytes(1120 * GB) == "1.12 TB"  # the seed's "≈ 1.12 Terabytes"
+
+
+def test_hybrid_shards_over_devices_per_replica():
+    assert estimate(1000, 16, 3, replica=2) == estimate(1000, 8, 3)
+    assert estimate(1000, 8, 1, replica=8) == estimate(1000, 1, 0)
+
+
+def test_custom_byte_sizes():
+    m = estimate(100, 4, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    assert m == MemoryEstimate(100, 100, 200, 400)
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_comm_stage_ratios(n):
+    psi, b = 1_000_000, 2
+    c = [comm_estimate(psi, n, s) for s in range(4)]
+    ddp = 2 * (n - 1) / n * psi * b
+    assert c[0] == CommEstimate(ddp, 0.0, 0.0, ddp)
+    assert c[1].total == pytest.approx(ddp, rel=1e-12)
+    assert c[2] == c[1]
+    assert c[3].total == pytest.approx(1.5 * c[0].total, rel=1e-12)
+    assert c[3].all_gather == pytest.approx(2 * c[1].all_gather, rel=1e-12)
+    assert c[1].all_reduce == c[3].all_reduce == 0
+
+
+def test_comm_seed_003_two_gpus():
+    # Ring on 2 GPUs sends half of each 520-byte buffer per collective; the seed's table lists
+    # buffer sizes (520 B + 520 B = 1,040 B), not bytes sent.
+    assert comm_estimate(260, 2, 0) == CommEstimate(520, 0, 0, 520)
+    assert comm_estimate(260, 2, 1) == CommEstimate(0, 260, 260, 520)
+    assert comm_estimate(260, 2, 3) == CommEstimate(0, 260, 520, 780)
+
+
+def test_comm_reduce_bytes():
+    c = comm_estimate(1000, 4, 1, reduce_bytes=4)
+    assert (c.reduce_scatter, c.all_gather) == (3000, 1500)
+    assert comm_estimate(1000, 4, 0, grad_bytes=4).all_reduce == 6000
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_comm_hybrid_adds_replica_all_reduce(stage):
+    psi, n, r = 1_000_000, 4, 2
+    flat, hybrid = comm_estimate(psi, n, stage), comm_estimate(psi, n * r, stage, replica=r)
+    extra = 2 * (r - 1) / r * psi * 2 / n
+    assert hybrid.all_reduce == extra
+    assert (hybrid.reduce_scatter, hybrid.all_gather) == (flat.reduce_scatter, flat.all_gather)
+    assert hybrid.total == pytest.approx(flat.total + extra, rel=1e-12)
+
+
+def test_comm_hybrid_stage_0_all_reduces_over_all_devices():
+    assert comm_estimate(1000, 8, 0, replica=2) == comm_estimate(1000, 8, 0)
+
+
+def test_single_device_sends_nothing():
+    assert all(comm_estimate(1000, 1, s).total == 0 for s in range(4))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, text",
+    [
+        ((1000, 8, 4), {}, "stage=4"),
+        ((1000, 8, -1), {}, "stage=-1"),
+        ((1000, 8, 1.5), {}, "stage=1.5"),
+        ((1000, 0, 1), {}, "devices=0"),
+        ((1000, 6, 1), {"replica": 4}, "replica=4"),
+        ((1000, 8, 1), {"replica": 0}, "replica=0"),
+        ((-5, 8, 1), {}, "num_params=-5"),
+        ((10.5, 8, 1), {}, "num_params=10.5"),
+        ((1000, 8, 1), {"param_bytes": -2}, "param_bytes=-2"),
+        ((1000, 8, 1), {"optimizer_bytes": -1}, "optimizer_bytes=-1"),
+    ],
+)
+def test_bad_inputs(args, kwargs, text):
+    with pytest.raises(EstimateError, match=text):
+        estimate(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "optimizer_bytes"}
+    if "optimizer_bytes" not in text:
+        with pytest.raises(EstimateError, match=text):
+            comm_estimate(*args, **kwargs)
+
+
+def test_bad_reduce_bytes():
+    with pytest.raises(EstimateError, match="reduce_bytes=-4"):
+        comm_estimate(1000, 8, 1, reduce_bytes=-4)
+    assert issubclass(EstimateError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (520, "520 B"), (999.6, "1.00 KB"), (4160, "4.16 KB"), (38.5 * GB, "38.5 GB")],
+)
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
+
+
+def test_estimate_table():
+    rows = estimate_table(70_000_000_000, 8)
+    assert [r["stage"] for r in rows] == ["0", "1", "2", "3"]
+    assert [r["total"] for r in rows] == ["1.12 TB", "385 GB", "262 GB", "140 GB"]
+    assert rows[3]["comm"] == format_bytes(1.5 * comm_estimate(70_000_000_000, 8, 0).total)
+    with pytest.raises(EstimateError, match="bogus"):
+        estimate_table(1000, 8, bogus=1)

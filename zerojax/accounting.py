@@ -1,0 +1,185 @@
+"""Memory and communication accounting for the ZeRO stages.
+
+The analytic model follows Rajbhandari et al. 2020 (ZeRO, Figure 1 and section 7): per-device
+model-state bytes and per-device bytes sent by ring collectives, as functions of the parameter
+count Ψ, the stage and the device count. Sizes are exact fractions Ψ·b/N (no padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# --- Analytic model --------------------------------------------------------------------------
+
+STAGES = (0, 1, 2, 3)
+
+
+class EstimateError(ValueError):
+    """A bad argument to the analytic estimates; the message names the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device model-state bytes."""
+
+    params: float  # compute params, Ψ·pb (stage 3: /N)
+    grads: float  # gradients, Ψ·gb (stages 2, 3: /N)
+    optimizer: float  # master params and moments, Ψ·K (stages 1-3: /N)
+    total: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommEstimate:
+    """Per-device bytes sent per step by ring collectives."""
+
+    all_reduce: float
+    reduce_scatter: float
+    all_gather: float
+    total: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def _check(num_params: Any, devices: Any, stage: Any, replica: Any, **nbytes: Any) -> int:
+    """Validates the common arguments; returns N, the devices the state is sharded over."""
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)):
+        raise EstimateError(f"num_params={num_params!r} must be a number of parameters")
+    if num_params < 0 or num_params != int(num_params):
+        raise EstimateError(f"num_params={num_params!r} must be a non-negative whole number")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise EstimateError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    for name, value in (("devices", devices), ("replica", replica)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EstimateError(f"{name}={value!r} must be an integer >= 1")
+    if devices % replica:
+        raise EstimateError(
+            f"devices={devices} is not divisible by replica={replica}; "
+            f"use a replica count that divides the device count"
+        )
+    for name, value in nbytes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise EstimateError(f"{name}={value!r} must be a non-negative number of bytes")
+    return devices // replica
+
+
+def estimate(
+    num_params: int,
+    devices: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+    replica: int = 1,
+) -> MemoryEstimate:
+    """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica)."""
+    n = _check(
+        num_params,
+        devices,
+        stage,
+        replica,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes,
+    )
+    psi = int(num_params)
+    params = psi * param_bytes / (n if stage >= 3 else 1)
+    grads = psi * grad_bytes / (n if stage >= 2 else 1)
+    optimizer = psi * optimizer_bytes / (n if stage >= 1 else 1)
+    return MemoryEstimate(params, grads, optimizer, params + grads + optimizer)
+
+
+def _ring(n: int, size: float, factor: int = 1) -> float:
+    # Ring all-gather / reduce-scatter send (n-1)/n of the buffer; an all-reduce is both.
+    return factor * (n - 1) * size / n
+
+
+def comm_estimate(
+    num_params: int,
+    devices: int,
+    stage: int,
+    *,
+    grad_bytes: float = 2,
+    param_bytes: float = 2,
+    reduce_bytes: float | None = None,
+    replica: int = 1,
+) -> CommEstimate:
+    """Per-device bytes sent per training step by ring collectives, by collective."""
+    rb = grad_bytes if reduce_bytes is None else reduce_bytes
+    n = _check(
+        num_params,
+        devices,
+        stage,
+        replica,
+        grad_bytes=grad_bytes,
+        param_bytes=param_bytes,
+        reduce_bytes=rb,
+    )
+    psi = int(num_params)
+    g, p = psi * rb, psi * param_bytes
+    if stage == 0:
+        # DDP all-reduces over every device; the replica axis is just more data parallelism.
+        all_reduce, reduce_scatter, all_gather = _ring(devices, g, 2), 0.0, 0.0
+    else:
+        # Stage 3 gathers each unit in forward and again in backward (remat).
+        reduce_scatter = _ring(n, g)
+        all_gather = _ring(n, p, 2 if stage == 3 else 1)
+        # Hybrid sharding: the 1/N gradient shard is all-reduced across the R replicas.
+        all_reduce = _ring(replica, g / n, 2)
+    return CommEstimate(
+        all_reduce, reduce_scatter, all_gather, all_reduce + reduce_scatter + all_gather
+    )
+
+
+_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
+
+
+def _sig3(v: float) -> str:
+    return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}"
+
+
+def format_bytes(n: float) -> str:
+    """Three significant figures in decimal units (1 GB = 1e9 B, as the ZeRO paper uses)."""
+    sign, v, k = ("-" if n < 0 else ""), abs(float(n)), 0
+    while float(_sig3(v)) >= 1000 and k < len(_UNITS) - 1:  # 999.7 GB prints as 1.00 TB
+        v, k = v / 1000, k + 1
+    text = f"{v:.0f}" if k == 0 and v.is_integer() else _sig3(v)
+    return f"{sign}{text} {_UNITS[k]}"
+
+
+def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[str, str]]:
+    """Rows for stages 0..3: memory by kind, total, saving vs stage 0 and bytes sent per step.
+
+    `kwargs` are the byte sizes and `replica` of `estimate` / `comm_estimate`.
+    """
+    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica")
+    comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica")
+    unknown = set(kwargs) - set(mem_keys) - set(comm_keys)
+    if unknown:
+        known = sorted({*mem_keys, *comm_keys})
+        raise EstimateError(f"unknown options {sorted(unknown)}; use {known}")
+    mem_kw = {k: v for k, v in kwargs.items() if k in mem_keys}
+    comm_kw = {k: v for k, v in kwargs.items() if k in comm_keys}
+    base = estimate(num_params, devices, 0, **mem_kw).total
+    rows = []
+    for stage in STAGES:
+        m = estimate(num_params, devices, stage, **mem_kw)
+        c = comm_estimate(num_params, devices, stage, **comm_kw)
+        saving = 1 - m.total / base if base else 0.0
+        rows.append(
+            {
+                "stage": str(stage),
+                "params": format_bytes(m.params),
+                "grads": format_bytes(m.grads),
+                "optimizer": format_bytes(m.optimizer),
+                "total": format_bytes(m.total),
+                "saving": f"{100 * saving:.1f}%",
+                "comm": format_bytes(c.total),
+            }
+        )
+    return rows
