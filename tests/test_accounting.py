@@ -149,6 +149,8 @@ def test_single_device_sends_nothing():
         ((1000, 8, 1), {"replica": 0}, "replica=0"),
         ((-5, 8, 1), {}, "num_params=-5"),
         ((10.5, 8, 1), {}, "num_params=10.5"),
+        ((float("nan"), 8, 1), {}, "num_params=nan"),
+        ((float("inf"), 8, 1), {}, "num_params=inf"),
         ((1000, 8, 1), {"param_bytes": -2}, "param_bytes=-2"),
         ((1000, 8, 1), {"optimizer_bytes": -1}, "optimizer_bytes=-1"),
     ],

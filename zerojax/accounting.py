@@ -8,6 +8,7 @@ count Ψ, the stage and the device count. Sizes are exact fractions Ψ·b/N (no 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 # --- Analytic model --------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def _check(num_params: Any, devices: Any, stage: Any, replica: Any, **nbytes: An
     """Validates the common arguments; returns N, the devices the state is sharded over."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)):
         raise EstimateError(f"num_params={num_params!r} must be a number of parameters")
-    if num_params < 0 or num_params != int(num_params):
+    if not (num_params >= 0 and math.isfinite(num_params)) or num_params != int(num_params):
         raise EstimateError(f"num_params={num_params!r} must be a non-negative whole number")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise EstimateError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
