@@ -1,0 +1,79 @@
+"""`ZeroConfig`: the frozen, hashable description of how a step is sharded and computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerojax.errors import ConfigError
+from zerojax.precision import dtype_name
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How the engine shards and computes a step.
+
+    stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+    param_dtype: compute dtype of params and gradients ("float32", "bfloat16", "float16");
+        master params and optimizer moments are always float32.
+    reduce_dtype: dtype of the gradient reduction; None (default) reduces in `param_dtype`,
+        as FSDP2 does; "float32" reduces bf16/fp16 gradients in fp32 (twice the bytes).
+    grad_accum: micro-batches per step (the device batch is split `grad_accum` ways).
+    clip_norm: global-norm clipping threshold (the true norm over all shards); None: off.
+    remat: recompute each scanned layer in backward (`jax.checkpoint`). In stages 2/3 with
+        remat=False, matmul outputs are saved and everything else, the gathers included,
+        is recomputed, so no gathered weight is ever a saved residual.
+    loss_scale: "dynamic", a fixed float, or None; None means "dynamic" for float16 and
+        no scaling otherwise.
+    prefetch: stage 3 only: gather layer i+1 while layer i computes.
+    """
+
+    stage: int = 0
+    param_dtype: str = "float32"
+    grad_accum: int = 1
+    clip_norm: float | None = None
+    remat: bool = True
+    loss_scale: str | float | None = None
+    reduce_dtype: str | None = None
+    prefetch: bool = False
+    loss_scale_init: float = 2.0**15
+    loss_scale_interval: int = 2000
+
+    def __post_init__(self):
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use one of {STAGES}")
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", dtype_name(self.reduce_dtype))
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) \
+                or self.grad_accum < 1:
+            raise ConfigError(f"grad_accum={self.grad_accum!r} must be a positive integer")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"clip_norm={self.clip_norm!r} must be positive, or None to "
+                              f"disable clipping")
+        ls = self.loss_scale
+        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float))
+                                                  and not isinstance(ls, bool) and ls > 0)):
+            raise ConfigError(f"loss_scale={ls!r} must be 'dynamic', a positive number, or None")
+        if self.prefetch and self.stage != 3:
+            raise ConfigError(f"prefetch=True needs stage=3 (got stage={self.stage}); prefetch "
+                              f"overlaps the per-layer parameter gather, which only stage 3 has")
+        if self.loss_scale_interval < 1:
+            raise ConfigError(f"loss_scale_interval={self.loss_scale_interval!r} must be >= 1")
+
+    @property
+    def grad_dtype(self) -> str:
+        """Dtype the gradients are reduced in."""
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def dynamic_scale(self) -> bool:
+        return self.loss_scale == "dynamic" or (self.loss_scale is None
+                                                and self.param_dtype == "float16")
+
+    @property
+    def initial_scale(self) -> float:
+        if self.dynamic_scale:
+            return float(self.loss_scale_init)
+        return float(self.loss_scale) if self.loss_scale is not None else 1.0

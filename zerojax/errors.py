@@ -1,0 +1,25 @@
+"""The exceptions raised at zerojax's public boundary; each names the bad value and the fix."""
+
+
+class ZeroError(ValueError):
+    """Base class of zerojax's bad-value errors."""
+
+
+class ConfigError(ZeroError):
+    """A `ZeroConfig` field, or a combination of fields, that zerojax cannot run."""
+
+
+class MeshError(ZeroError):
+    """A mesh that does not fit the devices or lacks the axes zerojax needs."""
+
+
+class BatchError(ZeroError):
+    """A batch whose leaves cannot be split over the data-parallel devices."""
+
+
+class ModelError(ZeroError):
+    """A model that breaks the `Model` protocol (e.g. a parameter it never gathers)."""
+
+
+class CheckpointError(ZeroError):
+    """A checkpoint that is incomplete, corrupted, or of another model or layout."""

@@ -1,0 +1,212 @@
+"""The training step: a pure function run per device inside the engine's shard_map.
+
+Per stage, what the step differentiates ("diff args", one per param leaf) and how the
+gradient reaches its owner:
+
+  stage 0: full compute params        grad -> psum over all devices (all-reduce)
+  stage 1: full compute params        grad -> psum_scatter over "data" after backward
+  stage 2: zero shard-shaped stand-ins grad -> psum_scatter per unit inside backward (_view)
+  stage 3: compute shards             grad -> psum_scatter per unit inside backward (_gather)
+
+With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over "replica".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from zerojax.config import ZeroConfig
+from zerojax.mesh import DATA, REPLICA
+from zerojax.partition import Layout, pad_flat, unpad, unpad_unit
+from zerojax.precision import DTYPES, LossScale, update_loss_scale
+from zerojax.units import ShardUnits, _barrier, make_handles
+
+
+class TrainState(NamedTuple):
+    """The engine's state. N = size of "data"; k = per-device elements of a leaf."""
+
+    step: jax.Array  # i32 [] {replicated}: steps taken
+    master: Any  # f32 per leaf [N·k] {data} or [L, N·k] {None, data}; stage 0 replicated
+    opt_state: Any  # optax state over `master` (same layout)
+    compute: Any  # param_dtype: stages 0–2 logical {replicated}; stage 3 like `master`;
+    #               None where it would equal `master` (float32 in stages 0 and 3)
+    loss_scale: LossScale
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything static a step needs."""
+
+    model: Any
+    optimizer: optax.GradientTransformation
+    layout: Layout  # over the "data" axis (shards = 1 in stage 0)
+    config: ZeroConfig
+    axes: tuple[str, ...]  # all mesh axes, ("replica", "data") or ("data",)
+    replica: int
+    data: int
+
+    @property
+    def dtype(self):
+        return DTYPES[self.config.param_dtype]
+
+    @property
+    def rdtype(self):
+        return DTYPES[self.config.grad_dtype]
+
+    @property
+    def stores_compute(self) -> bool:
+        return not (self.config.param_dtype == "float32" and self.config.stage in (0, 3))
+
+
+def split_loss(out):
+    """`loss` or `(loss, aux)` -> `(loss, aux)`, with a clear error for anything else."""
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    if not hasattr(loss, "shape") or loss.shape != ():
+        from zerojax.errors import ModelError
+        raise ModelError(f"Model.loss must return a scalar loss (or (loss, aux)); got "
+                         f"{getattr(loss, 'shape', type(loss))}")
+    return loss, aux
+
+
+def vary(x, axes):
+    """Marks `x` as device-varying over `axes` (a type cast under check_vma, no data moved)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def compute_params(plan: StepPlan, state: TrainState) -> list:
+    """Per-leaf compute params as stored for this stage (derived from master when equal)."""
+    if state.compute is not None:
+        return jax.tree.leaves(state.compute)
+    masters = jax.tree.leaves(state.master)
+    if plan.config.stage == 0:
+        return [unpad(m, leaf) for m, leaf in zip(masters, plan.layout.leaves)]
+    return masters
+
+
+def local_step(plan: StepPlan, state: TrainState, batch):
+    """One optimizer step on this device's batch slice; returns (new state, metrics)."""
+    cfg, layout = plan.config, plan.layout
+    stage, k = cfg.stage, cfg.grad_accum
+    comp = compute_params(plan, state)
+
+    full = None
+    if stage <= 1:
+        args = [vary(c, plan.axes) for c in comp]
+    elif stage == 2:
+        full = [vary(c, plan.axes) for c in comp]
+        args = [vary(jnp.zeros(_shard_shape(layout, leaf), plan.rdtype), plan.axes)
+                for leaf in layout.leaves]
+    else:
+        args = [vary(c.astype(plan.rdtype), plan.axes) for c in comp]
+    handles = make_handles(layout)
+    scale = state.loss_scale.scale
+
+    def loss_fn(args, mb):
+        units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch)
+        loss, aux = split_loss(plan.model.loss(handles, mb, units))
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, aux)
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    if k == 1:
+        grads, (loss, aux) = grad_fn(args, jax.tree.map(lambda x: x[0], micro))
+    else:
+        def accumulate(acc, mb):
+            g, (l, a) = grad_fn(args, mb)
+            return jax.tree.map(lambda s, x: s + x.astype(jnp.float32), acc, g), (l, a)
+
+        acc0 = [jnp.zeros(a.shape, jnp.float32) for a in args]
+        acc0 = [vary(a, plan.axes) for a in acc0]
+        grads, (losses, auxs) = lax.scan(accumulate, acc0, micro)
+        loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
+
+    grads = _reduce(plan, grads)
+    denom = plan.replica * plan.data * k * scale
+    grads = [g.astype(jnp.float32) / denom for g in grads]
+
+    sq = sum(jnp.sum(jnp.square(g)) for g in grads)
+    if stage >= 1:
+        sq = lax.psum(sq, DATA)
+    norm = jnp.sqrt(sq)
+    if cfg.clip_norm is not None:
+        c = jnp.float32(cfg.clip_norm)
+        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
+        grads = [jnp.where(norm < c, g, g / norm * c) for g in grads]
+
+    master = state.master
+    g_tree = layout.unflatten(grads)
+    updates, opt_state = plan.optimizer.update(g_tree, state.opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    ls = state.loss_scale
+    metrics = {}
+    if cfg.dynamic_scale:
+        finite = jnp.isfinite(norm)  # norm is global, so every device takes the same branch
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
+        ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
+        metrics["loss_scale"] = ls.scale
+        metrics["skipped"] = (~finite).astype(jnp.int32)
+
+    compute = _refresh(plan, new_master) if plan.stores_compute else None
+    metrics["loss"] = lax.pmean(loss, plan.axes)
+    metrics["grad_norm"] = norm
+    for name, v in aux.items():
+        metrics[name] = lax.pmean(jnp.asarray(v, jnp.float32), plan.axes)
+    new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls)
+    return new_state, metrics
+
+
+def _shard_shape(layout: Layout, leaf) -> tuple[int, ...]:
+    k = layout.shard_size(leaf)
+    return (leaf.shape[0], k) if leaf.stacked else (k,)
+
+
+def _reduce(plan: StepPlan, grads: list) -> list:
+    """Summed gradients in the master layout: full (stage 0) or this device's shard."""
+    stage, layout = plan.config.stage, plan.layout
+    if stage == 0:
+        return [pad_flat(lax.psum(g.astype(plan.rdtype), plan.axes), leaf, 1)
+                for g, leaf in zip(grads, layout.leaves)]
+    if stage == 1:
+        out = []
+        for g, leaf in zip(grads, layout.leaves):
+            g = pad_flat(g.astype(plan.rdtype), leaf, plan.data)
+            # [L?, N·k] {U_data} -> [L?, k]
+            out.append(lax.psum_scatter(g, DATA, scatter_dimension=g.ndim - 1, tiled=True))
+        grads = out
+    if plan.replica > 1:
+        grads = [lax.psum(g, REPLICA) for g in grads]  # the 1/N shard, summed over replicas
+    return grads
+
+
+def _refresh(plan: StepPlan, master) -> Any:
+    """New compute params from the updated master: cast (stages 0, 3) or all_gather (1, 2)."""
+    layout, dtype = plan.layout, plan.dtype
+    masters = jax.tree.leaves(master)
+    if plan.config.stage == 0:
+        return layout.unflatten(unpad(m.astype(dtype), leaf)
+                                for m, leaf in zip(masters, layout.leaves))
+    if plan.config.stage == 3:
+        return layout.unflatten(m.astype(dtype) for m in masters)
+
+    def gather_unit(shard, leaf):
+        shard = _barrier(shard.astype(dtype))  # gather in compute dtype, not fp32
+        full = lax.all_gather(shard, DATA, axis=0, tiled=True, to="invarying")  # [k] -> [N·k]
+        return unpad_unit(full, leaf)
+
+    out = []
+    for m, leaf in zip(masters, layout.leaves):
+        if leaf.stacked:
+            # Layer by layer, so each gathered layer lands contiguously in the [L, ...] output.
+            out.append(lax.map(lambda s, leaf=leaf: gather_unit(s, leaf), m))
+        else:
+            out.append(gather_unit(m, leaf))
+    return layout.unflatten(out)
