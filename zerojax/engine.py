@@ -68,10 +68,13 @@ class Engine:
         if both:
             raise ModelError(f"parameter(s) {', '.join(both)} are used by both units.gather and "
                              f"units.scan; a leaf is either one unit or a stack of layer units")
-        leaves = tuple(LeafSpec(p, a.shape, rec.uses[i] == {"scan"})
-                       for i, (p, a) in enumerate(zip(paths, avals)))
+        self.set_units(tuple(LeafSpec(p, a.shape, rec.uses[i] == {"scan"})
+                             for i, (p, a) in enumerate(zip(paths, avals))), treedef)
+
+    def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
+        """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
         shards = 1 if self.config.stage == 0 else self.data
-        layout = Layout(leaves, treedef, shards)
+        layout = Layout(tuple(leaves), treedef, shards)
         self.plan = StepPlan(self.model, self.optimizer, layout, self.config, self.axes,
                              self.replica, self.data)
         self._step_fn = None

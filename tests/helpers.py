@@ -1,0 +1,76 @@
+"""Shared test helpers: a single-device optax reference and GPT batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.models import GPT
+from zerojax.units import PlainUnits
+
+STEPS = 20
+LR, WD, CLIP = 3e-3, 0.1, 0.5
+
+
+def gpt_batch(cfg, batch, step, seed=0):
+    """A deterministic random-token batch for `step`."""
+    rng = np.random.default_rng([seed, step])
+    tokens = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def adamw():
+    # eps=1e-6, not 1e-8: the attention key bias has an exactly-zero gradient (softmax is
+    # shift-invariant), so with eps=1e-8 Adam turns rounding noise of any reduction order
+    # into lr-sized steps of random sign and no two correct implementations agree there.
+    return optax.adamw(LR, weight_decay=WD, eps=1e-6)
+
+
+def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
+    """Plain single-device optax on the global batches: (per-step losses, final params)."""
+    tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+    params = model.init(jax.random.key(rng))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, g = jax.value_and_grad(lambda p: model.loss(p, batch, PlainUnits()))(params)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for b in batches:
+        params, state, loss = step(params, state, b)
+        losses.append(float(loss))
+    return np.array(losses), params
+
+
+def engine_run(engine, batches, rng=0):
+    state = engine.init(jax.random.key(rng), batches[0])
+    losses = []
+    for b in batches:
+        state, m = engine.step(state, b)
+        losses.append(float(m["loss"]))
+    return np.array(losses), engine.params(state), state
+
+
+def assert_tree_close(a, b, rtol, atol=0.0):
+    """Per leaf: relative L2 error <= rtol, and every element within atol + rtol·|ref|.
+
+    Adam divides by sqrt(v): where a gradient is near zero, reduction-order noise of 1e-7
+    can move one element by ~lr·1e-3, so an elementwise-only rtol is ill-conditioned.
+    """
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree.flatten_with_path(a)[0], jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        name = jax.tree_util.keystr(path)
+        assert x.shape == y.shape, name
+        rel = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
+        assert rel <= rtol, f"{name}: relative L2 error {rel:.3g} > {rtol}"
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
+
+
+def tiny_gpt():
+    return GPT.from_preset("test")
+
+
