@@ -1,0 +1,5 @@
+import sys
+
+from zerojax.cli import main
+
+sys.exit(main())
