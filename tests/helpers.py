@@ -13,9 +13,13 @@ LR, WD, CLIP = 3e-3, 0.1, 0.5
 
 
 def gpt_batch(cfg, batch, step, seed=0):
-    """A deterministic random-token batch for `step`."""
+    """A deterministic, learnable batch for `step`: random starts of t -> (3t + 1) mod V."""
     rng = np.random.default_rng([seed, step])
-    tokens = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1), dtype=np.int32)
+    tokens = np.empty((batch, cfg.seq_len + 1), np.int64)
+    tokens[:, 0] = rng.integers(0, cfg.vocab_size, batch)
+    for t in range(cfg.seq_len):
+        tokens[:, t + 1] = (3 * tokens[:, t] + 1) % cfg.vocab_size
+    tokens = tokens.astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
