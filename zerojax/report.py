@@ -1,0 +1,261 @@
+"""What a training run shows and writes: the start-up table, progress, metrics.jsonl, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from zerojax.accounting import format_bytes
+
+
+def state_bytes_per_device(state, device: jax.Device) -> int:
+    """Bytes of `device`'s addressable shards of every array in `state` (measured, not modelled)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
+
+
+def startup_table(rows: list[tuple[str, str]], title: str) -> Table:
+    """A two-column table of start-up facts."""
+    table = Table(title=title, show_header=False, title_justify="left", box=None,
+                  padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def memory_rows(estimate, measured: int) -> list[tuple[str, str]]:
+    """Per-device model-state bytes: the ZeRO estimate and the measured state arrays."""
+    return [
+        ("memory/device", f"{format_bytes(estimate.total)} estimated = params "
+                          f"{format_bytes(estimate.params)} + grads {format_bytes(estimate.grads)}"
+                          f" + optimizer {format_bytes(estimate.optimizer)}"),
+        ("", f"{format_bytes(measured)} measured: this device's shards of the state (grads "
+             f"are transient)"),
+    ]
+
+
+class Reporter:
+    """Progress display: a rich bar on a terminal, a line every `every` steps otherwise."""
+
+    def __init__(self, console: Console, total: int, start: int, tokens_per_step: int,
+                 enabled: bool = True):
+        self.console, self.total, self.enabled = console, total, enabled
+        self.tokens_per_step = tokens_per_step
+        self.every = max(1, (total - start) // 10)
+        self.start = start
+        self.recent: list[float] = []  # step times, for the ETA; the first (compile) is left out
+        self.progress = None
+        if enabled and console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("eval {task.fields[eval]}"), TextColumn("eta"), TimeRemainingColumn(),
+                TimeElapsedColumn(), console=console, transient=False)
+            self.task = self.progress.add_task("train", total=total, completed=start,
+                                               loss="-", tps="-", eval="-")
+            self.progress.start()
+
+    def status(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        if step > self.start + 1:
+            self.recent = (self.recent + [record["step_time_s"]])[-20:]
+        loss = f"{record['loss']:.4f}"
+        tps = f"{record['tokens_per_s']:,.0f}"
+        ev = f"{record['eval_loss']:.4f}" if "eval_loss" in record else None
+        if self.progress is not None:
+            fields = {"loss": loss, "tps": tps} | ({"eval": ev} if ev else {})
+            self.progress.update(self.task, completed=step, **fields)
+            return
+        if (step - self.start) % self.every and step != self.total and ev is None:
+            return
+        eta = sum(self.recent) / max(len(self.recent), 1) * (self.total - step)
+        line = (f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss}  "
+                f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  {tps} tok/s  "
+                f"eta {_clock(eta)}")
+        self.console.print(line + (f"  eval {ev}" if ev else ""), soft_wrap=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON object per step; on resume, records past `start` are dropped."""
+
+    def __init__(self, path: Path, start: int, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        self.records: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        if start > 0 and path.exists():
+            self.records = [r for r in read_metrics(path) if r["step"] <= start]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.records)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl`."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Train loss per step and eval loss where it was measured, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], lw=1, label="train")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", lw=1.5, ms=4, label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Writes `obj` as indented JSON; non-finite floats become null."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    path.write_text(json.dumps(clean(obj), indent=2) + "\n")
+
+
+def estimate_for(num_params: int, devices: int, cfg):
+    """The ZeRO paper's per-device model-state bytes for this run (fp32 Adam: K = 12)."""
+    from zerojax.accounting import estimate
+
+    size = {"float32": 4}.get(cfg.param_dtype, 2)
+    return estimate(num_params, devices, cfg.stage, param_bytes=size, grad_bytes=size,
+                    optimizer_bytes=12, replica=cfg.replica)
+
+
+def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
+                 start: int) -> list[tuple[str, str]]:
+    """The facts a run prints before it starts."""
+    c = model.cfg
+    per_device = cfg.batch // len(devices)
+    processes = len({d.process_index for d in devices})
+    shape = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    sched = (f"cosine to {cfg.lr * cfg.min_lr_ratio:.2g}" if cfg.schedule == "cosine"
+             else "constant")
+    return [
+        ("model", f"{cfg.model}: {num_params:,} params ({c.n_layers} layers, d={c.d_model}, "
+                  f"{c.n_heads} heads, context {c.seq_len}, vocab {c.vocab_size})"),
+        ("devices", f"{len(devices)} × {devices[0].platform} in {processes} process(es)"),
+        ("mesh", shape),
+        ("ZeRO", f"stage {cfg.stage}, {cfg.param_dtype} compute, "
+                 f"{'remat' if cfg.remat else 'no remat'}"
+                 + (", prefetch" if cfg.prefetch else "")
+                 + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
+                 + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
+        ("batch", f"{cfg.batch} × {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
+                  f"tokens/step ({per_device} sequences per device)"),
+        ("optimizer", f"AdamW lr {cfg.lr:g}, {cfg.warmup} warm-up steps, {sched}, "
+                      f"weight decay {cfg.weight_decay:g}"),
+        ("data", data),
+        ("steps", f"{cfg.steps}" + (f" (resuming at {start})" if start else "")),
+        ("out", cfg.out),
+    ]
+
+
+def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,
+            eval_s, step, interrupted) -> dict[str, Any]:
+    """The contents of `summary.json`."""
+    import dataclasses
+
+    import numpy as np
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    steady = times[1:] or times
+    mean_step = float(np.mean(steady)) if steady else None
+    return {
+        "config": dataclasses.asdict(cfg),
+        "steps_done": step,
+        "interrupted": interrupted,
+        "final_loss": train[-1]["loss"] if train else None,
+        "initial_eval_loss": evals[0]["eval_loss"] if evals else None,
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "num_params": num_params,
+        "devices": {"count": len(devices), "platform": devices[0].platform,
+                    "processes": len({d.process_index for d in devices}),
+                    "mesh": dict(mesh.shape)},
+        "memory_per_device": {"estimate": estimate.as_dict(), "measured_state_bytes": measured},
+        "timings": {
+            "wall_s": wall_s,
+            "first_step_s": times[0] if times else None,  # includes compilation
+            "mean_step_s": mean_step,
+            "tokens_per_s": cfg.batch * cfg.seq_len / mean_step if mean_step else None,
+            "eval_s": eval_s,
+        },
+    }
+
+
+def final_line(s: dict[str, Any], out: Path) -> str:
+    """One line: where the run ended and how fast it went."""
+    parts = [f"step {s['steps_done']}"]
+    if s["final_loss"] is not None:
+        parts.append(f"loss {s['final_loss']:.4f}")
+    if s["final_eval_loss"] is not None:
+        parts.append(f"eval {s['initial_eval_loss']:.3f} → {s['final_eval_loss']:.3f}")
+    t = s["timings"]
+    if t["tokens_per_s"]:
+        parts.append(f"{t['tokens_per_s']:,.0f} tok/s")
+    parts.append(f"{t['wall_s']:.0f} s")
+    return "done: " + ", ".join(parts) + f"  → {out}/"

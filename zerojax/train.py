@@ -1,0 +1,633 @@
+"""`python -m zerojax train` and `sample`: a GPT preset trained under ZeRO, end to end.
+
+Nothing here may start jax's backend before `start_runtime`: the simulated CPU device count,
+the XLA flags and `jax.distributed` must all be set first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import tyro
+
+from zerojax.data import DataError, embedded_corpus, eval_batches, load_tokens, split_tokens
+from zerojax.errors import ZeroError
+from zerojax.models import PRESETS
+
+DEFAULT_CPU_DEVICES = 4
+_FORCE = "--xla_force_host_platform_device_count"
+# Collective/compute overlap on GPU (see DESIGN.md section 5); the thresholds are raised to at
+# least one layer's bytes in `overlap_flags`.
+_OVERLAP = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+            "--xla_gpu_enable_pipelined_all_gather=true",
+            "--xla_gpu_enable_pipelined_reduce_scatter=true")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Train a GPT preset under ZeRO on the embedded corpus (no download) or a token file."""
+
+    model: str = "nano"
+    """GPT preset: test, nano, small8, gpt2-small, 1b or 7b."""
+    stage: Literal[0, 1, 2, 3] = 3
+    """ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
+    devices: int | None = None
+    """Devices per process. CPU-only: this many simulated devices (default 4); with
+    accelerators: the first N local ones (default all)."""
+    replica: int = 1
+    """Replica groups for hybrid sharding: state sharded within a group, replicated across."""
+    steps: int = 200
+    """Total optimizer steps (a resumed run continues up to this step)."""
+    batch: int = 16
+    """Global batch in sequences, over all processes and devices."""
+    seq_len: int | None = None
+    """Tokens per sequence; default and maximum: the preset's context length."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    warmup: int = 10
+    """Linear warm-up steps up to --lr."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After warm-up: cosine decay to --min-lr-ratio × --lr at --steps, or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of --lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay of matrices and embeddings (not biases or LayerNorm)."""
+    grad_accum: int = 1
+    """Micro-batches per step (each device's batch is split this many ways)."""
+    clip_norm: float | None = 1.0
+    """Clip gradients to this global norm; None disables clipping."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of params and gradients (masters and Adam moments stay float32;
+    float16 uses dynamic loss scaling)."""
+    remat: bool = True
+    """Recompute each layer in backward instead of saving its activations."""
+    prefetch: bool = False
+    """Stage 3: gather layer i+1's parameters while layer i computes."""
+    out: str = "runs/train"
+    """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
+    save_every: int = 0
+    """Save a checkpoint every N steps; 0: only at the end (and on Ctrl-C)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in OUT/checkpoints."""
+    eval_every: int = 50
+    """Eval loss every N steps (and before the first and after the last); 0: never."""
+    eval_batches: int = 4
+    """Fixed held-out batches (of --batch sequences) averaged for the eval loss."""
+    seed: int = 0
+    """Seed of the initial parameters and of the data order."""
+    profile: bool = False
+    """Write a jax.profiler trace of a few steps to OUT/profile (TensorBoard / Perfetto)."""
+    data: str | None = None
+    """Token file instead of the embedded corpus: .txt (bytes), .bin (uint16) or .npy; the
+    last 5% is held out for eval."""
+    coordinator: str | None = None
+    """HOST:PORT of process 0 for a multi-process run (with --num-processes, --process-id);
+    under SLURM or Open MPI the processes are found automatically."""
+    num_processes: int | None = None
+    """Processes in a multi-process run."""
+    process_id: int | None = None
+    """This process's index in a multi-process run."""
+    xla_overlap: bool = False
+    """On GPU: set XLA's latency-hiding scheduler and pipelined collective flags."""
+    quiet: bool = False
+    """No table and no progress; only errors and a final line."""
+    config: str | None = None
+    """JSON or TOML file whose keys are these options (dashes or underscores); flags given on
+    the command line override it."""
+
+
+class UsageError(ValueError):
+    """A bad command-line option; reported as one line and exit code 2."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+# --------------------------------------------------------------------------------- options
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Options from `--config FILE` (if given) overridden by the command line."""
+    default = TrainConfig()
+    path = _flag_value(argv, "--config")
+    if path is not None:
+        default = dataclasses.replace(default, **load_config_file(path), config=path)
+    return tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """TrainConfig fields from a JSON or TOML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {path!r}")
+    try:
+        if p.suffix.lower() == ".toml":
+            import tomllib
+
+            values = tomllib.loads(p.read_text())
+        else:
+            values = json.loads(p.read_text())
+    except (ValueError, ImportError) as e:
+        raise UsageError(f"cannot read config file {path!r}: {e}") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"config file {path!r} must hold a table/object of options")
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise UsageError(f"unknown option(s) {unknown} in config file {path!r}; see --help")
+    return values
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks every option that can be checked before jax starts; fills in the defaults."""
+    for name in ("steps", "batch", "replica", "grad_accum", "eval_batches"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"--{_dash(name)}={v!r} must be a positive integer")
+    for name in ("save_every", "eval_every", "warmup", "seed"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UsageError(f"--{_dash(name)}={v!r} must be a non-negative integer")
+    if cfg.model not in PRESETS:
+        raise UsageError(f"unknown GPT preset --model={cfg.model!r}; choose one of "
+                         f"{', '.join(PRESETS)}")
+    if cfg.stage not in (0, 1, 2, 3):
+        raise UsageError(f"--stage={cfg.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.weight_decay < 0:
+        raise UsageError(f"--lr={cfg.lr} must be positive, --min-lr-ratio={cfg.min_lr_ratio} "
+                         f"in [0, 1] and --weight-decay={cfg.weight_decay} non-negative")
+    ctx = PRESETS[cfg.model].seq_len
+    seq_len = ctx if cfg.seq_len is None else cfg.seq_len
+    if not 1 <= seq_len <= ctx:
+        raise UsageError(f"--seq-len={seq_len} must be between 1 and preset {cfg.model!r}'s "
+                         f"context length {ctx}")
+    if cfg.devices is not None and cfg.devices < 1:
+        raise UsageError(f"--devices={cfg.devices} must be a positive integer")
+    dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    if any(v is not None for v in dist) and any(v is None for v in dist):
+        raise UsageError("--coordinator, --num-processes and --process-id go together; give "
+                         "all three (or none, to auto-detect SLURM / Open MPI)")
+    if cfg.num_processes is not None and not 0 <= cfg.process_id < cfg.num_processes:
+        raise UsageError(f"--process-id={cfg.process_id} must be in [0, --num-processes="
+                         f"{cfg.num_processes})")
+    if cfg.devices is not None:
+        check_split(cfg, cfg.devices * (cfg.num_processes or 1))
+    if cfg.prefetch and cfg.stage != 3:
+        raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
+    steps = checkpoint_steps(Path(cfg.out) / "checkpoints")
+    if cfg.resume and not steps:
+        raise UsageError(f"--resume: no checkpoint in {str(Path(cfg.out) / 'checkpoints')!r}; "
+                         f"train without --resume first, or point --out at the run")
+    if not cfg.resume and steps:
+        raise UsageError(f"{cfg.out!r} already holds checkpoints (latest step {max(steps)}); "
+                         f"pass --resume to continue it or choose another --out")
+    return dataclasses.replace(cfg, seq_len=seq_len)
+
+
+def check_split(cfg: TrainConfig, devices: int) -> None:
+    """The global batch must split evenly over processes, devices, replicas and micro-batches."""
+    if devices % cfg.replica:
+        raise UsageError(f"{devices} devices do not split into --replica={cfg.replica} groups")
+    if cfg.batch % devices:
+        raise UsageError(f"--batch={cfg.batch} is not divisible by the {devices} devices; use a "
+                         f"multiple of {devices}")
+    if (cfg.batch // devices) % cfg.grad_accum:
+        raise UsageError(f"per-device batch {cfg.batch // devices} is not divisible by "
+                         f"--grad-accum={cfg.grad_accum}; use a --batch that is a multiple of "
+                         f"{devices * cfg.grad_accum}")
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The complete (integer-named) step directories of a checkpoint directory."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
+    """`(train, eval, description)` tokens: the embedded corpus or `--data`."""
+    if cfg.data is None:
+        train, ev = embedded_corpus(split="train"), embedded_corpus(split="eval")
+        what = "embedded stdlib corpus"
+    else:
+        train, ev = split_tokens(load_tokens(cfg.data))
+        what = cfg.data
+    vocab = PRESETS[cfg.model].vocab_size
+    if np.iinfo(train.dtype).max >= vocab:  # a full scan only when the dtype could overflow
+        top = max(int(train.max()), int(ev.max()))
+        if top >= vocab:
+            raise UsageError(f"{what} has token id {top} but preset {cfg.model!r} has "
+                             f"vocab_size {vocab}; use a larger preset or re-tokenize")
+    for name, t in (("train", train), ("eval", ev)):
+        if len(t) <= cfg.seq_len:
+            raise UsageError(f"{what}: {len(t)} {name} tokens are too few for --seq-len="
+                             f"{cfg.seq_len}")
+    return train, ev, f"{what}: {len(train):,} train / {len(ev):,} eval tokens"
+
+
+# --------------------------------------------------------------------------------- runtime
+
+
+def start_runtime(cfg: TrainConfig) -> None:
+    """XLA flags and `jax.distributed`, before anything starts jax's backend."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if cfg.devices is not None or not any(f.startswith(_FORCE) for f in flags):
+        flags = [f for f in flags if not f.startswith(_FORCE)]
+        flags.append(f"{_FORCE}={cfg.devices or DEFAULT_CPU_DEVICES}")
+    if cfg.xla_overlap and _gpu_likely():
+        flags += [f for f in overlap_flags(cfg) if f.split("=")[0] not in os.environ.get(
+            "XLA_FLAGS", "")]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+
+    import jax
+
+    multi = any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    if cfg.coordinator is not None or multi:
+        # Only the CPU client reads this; GPUs use NCCL.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Not zerojax.mesh.initialize_distributed: it asks for the default backend first,
+        # which starts it, and jax.distributed then refuses to initialize.
+        if cfg.coordinator is not None:
+            jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes,
+                                       process_id=cfg.process_id)
+        else:
+            jax.distributed.initialize()
+
+
+def overlap_flags(cfg: TrainConfig) -> list[str]:
+    """XLA GPU flags that overlap ZeRO's collectives with compute."""
+    c = PRESETS[cfg.model]
+    layer = (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) * {"float32": 4}.get(cfg.param_dtype, 2)
+    threshold = max(layer, 2**26)
+    return [*_OVERLAP, f"--xla_gpu_all_gather_combine_threshold_bytes={threshold}",
+            f"--xla_gpu_reduce_scatter_combine_threshold_bytes={threshold}"]
+
+
+def _gpu_likely() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return "cuda" in platforms or "gpu" in platforms
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+def make_optimizer(cfg: TrainConfig):
+    """AdamW with linear warm-up then cosine (or constant); returns (optimizer, schedule)."""
+    import optax
+
+    w, lr = cfg.warmup, cfg.lr
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=lr / w if w else lr, peak_value=lr, warmup_steps=w,
+            decay_steps=max(cfg.steps, w + 1), end_value=lr * cfg.min_lr_ratio)
+    else:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(lr / w if w else lr, lr, w), optax.constant_schedule(lr)], [w])
+    # Leaves keep their names in the engine's flat layout, so the mask goes by name, not ndim.
+    decay = lambda params: _map_names(params, lambda name: name in ("kernel", "tok", "pos"))
+    opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay)
+    return opt, schedule
+
+
+def _map_names(tree, fn):
+    import jax
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: fn(str(path[-1].key)), tree)
+
+
+def select_devices(per_process: int | None):
+    """The first `per_process` local devices of every process (all of them when None)."""
+    import jax
+
+    devices = []
+    for p in range(jax.process_count()):
+        local = [d for d in jax.devices() if d.process_index == p]
+        if per_process is not None and per_process > len(local):
+            raise UsageError(f"--devices={per_process} but process {p} has only {len(local)} "
+                             f"{local[0].platform} device(s)")
+        devices += local[:per_process]
+    return devices
+
+
+# --------------------------------------------------------------------------------- entry points
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m zerojax train [options]`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = parse_args(argv)
+    except SystemExit as e:  # --help, or tyro's own report of a malformed option
+        return e.code if isinstance(e.code, int) else 0
+    except UsageError as e:
+        return _fail(e, 2)
+    try:
+        cfg = validate(cfg)
+        data = load_data(cfg)
+    except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
+        return _fail(e, 2)
+    start_runtime(cfg)
+    try:
+        return train(cfg, data)
+    except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
+        return _fail(e, 2)
+    except NonFiniteLoss as e:
+        return _fail(e, 1)
+    except KeyboardInterrupt:
+        print("zerojax train: interrupted again; exiting without a checkpoint", file=sys.stderr)
+        return 130
+
+
+def _fail(error: BaseException, code: int) -> int:
+    print(f"zerojax train: error: {error}", file=sys.stderr)
+    return code
+
+
+def _interruptible():
+    """A flag set by the first Ctrl-C (SIGINT); the second one raises KeyboardInterrupt."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return flag, lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        flag.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    return flag, lambda: signal.signal(signal.SIGINT, previous)
+
+
+# --------------------------------------------------------------------------------- the run
+
+
+def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
+    """Trains per `cfg` (validated, runtime started); returns the exit code."""
+    import jax
+    from rich.console import Console
+
+    from zerojax import report
+    from zerojax.config import ZeroConfig
+    from zerojax.data import TokenBatches
+    from zerojax.engine import Engine
+    from zerojax.mesh import make_mesh, put_batch
+    from zerojax.models import get_model
+
+    t_start = time.perf_counter()
+    pi, pc = jax.process_index(), jax.process_count()
+    lead = pi == 0
+    out, ckpt = Path(cfg.out), Path(cfg.out) / "checkpoints"
+    console = Console(quiet=not lead or cfg.quiet, highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # log files: lines are not wrapped at 80 columns
+    devices = select_devices(cfg.devices if jax.default_backend() != "cpu" or cfg.devices
+                             else None)
+    check_split(cfg, len(devices))
+    mesh = make_mesh(data=len(devices) // cfg.replica, replica=cfg.replica, devices=devices)
+    model = get_model(cfg.model)
+    zcfg = ZeroConfig(stage=cfg.stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
+                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=cfg.prefetch)
+    optimizer, schedule = make_optimizer(cfg)
+    engine = Engine(model, optimizer, mesh, zcfg)
+
+    train_tokens, eval_tokens, data_desc = data
+    batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch, cfg.seed, pi, pc)
+    rows = slice(pi * batches.local_batch, (pi + 1) * batches.local_batch)
+    evals = [{k: v[rows] for k, v in b.items()}
+             for b in eval_batches(eval_tokens, cfg.seq_len, cfg.batch, cfg.eval_batches)]
+
+    if cfg.resume:
+        state = engine.restore(ckpt)
+    else:
+        state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
+    start = int(state.step)
+    extra = {"train_config": dataclasses.asdict(cfg)}
+
+    num_params = sum(math.prod(x.shape) for x in
+                     jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+    mine = next(d for d in mesh.devices.flat if d.process_index == pi)
+    measured = report.state_bytes_per_device(state, mine)
+    estimate = report.estimate_for(num_params, len(devices), cfg)
+    console.print(report.startup_table(
+        report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
+        + report.memory_rows(estimate, measured), "zerojax train"))
+
+    eval_fn = jax.jit(lambda params, b: model.loss(params, b, _plain_units(cfg.param_dtype)))
+
+    def evaluate(state) -> float:
+        params = engine.params(state)
+        return float(np.mean([float(eval_fn(params, put_batch(b, mesh))) for b in evals]))
+
+    log = report.MetricsLog(out / "metrics.jsonl", start, enabled=lead)
+    tokens_per_step = cfg.batch * cfg.seq_len
+    show = report.Reporter(console, cfg.steps, start, tokens_per_step, enabled=not cfg.quiet)
+    stop, restore_sigint = _interruptible()
+    times, eval_s, saved, interrupted = [], 0.0, {start} if cfg.resume else set(), False
+    profiling = None
+    step = start
+    try:
+        show.status(f"compiling the stage-{cfg.stage} step…" if start < cfg.steps else
+                    f"already at step {start} of {cfg.steps}")
+        if start == 0 and cfg.eval_every:
+            t = time.perf_counter()
+            log.write({"step": 0, "eval_loss": evaluate(state)})
+            eval_s += time.perf_counter() - t
+        batch = batches.batch(start)
+        for step in range(start, cfg.steps):
+            if _agree(stop.is_set(), pc):
+                interrupted = True
+                break
+            if cfg.profile and step == start + 1:
+                profiling = out / "profile"
+                jax.profiler.start_trace(str(profiling))
+            t = time.perf_counter()
+            state, metrics = engine.step(state, batch)
+            if step + 1 < cfg.steps:  # the host builds the next batch while the device works
+                batch = batches.batch(step + 1)
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            dt = time.perf_counter() - t
+            if profiling and step == start + 3:
+                jax.profiler.stop_trace()
+                profiling = False
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(
+                    f"loss is {loss} at step {step + 1} (lr {float(schedule(step)):.3g}); "
+                    f"stopped without saving. Lower --lr, keep --clip-norm, or use float32")
+            times.append(dt)
+            rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm,
+                   "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / dt,
+                   "step_time_s": dt}
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                t = time.perf_counter()
+                rec["eval_loss"] = evaluate(state)
+                eval_s += time.perf_counter() - t
+            log.write(rec)
+            show.update(rec)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                engine.save(state, ckpt, step + 1, wait=False, extra=extra)
+                saved.add(step + 1)
+        else:
+            step = cfg.steps
+    finally:
+        restore_sigint()
+        show.close()
+        if profiling:
+            jax.profiler.stop_trace()
+    if step not in saved and step > 0:
+        engine.save(state, ckpt, step, wait=True, extra=extra)
+    if saved:
+        from zerojax import checkpoint
+
+        checkpoint.wait_until_finished(ckpt)
+
+    summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
+                             measured, time.perf_counter() - t_start, eval_s, step, interrupted)
+    if lead:
+        if log.records:
+            report.plot_losses(log.records, out / "loss.png",
+                               f"{cfg.model}, stage {cfg.stage}, {len(devices)} devices")
+        report.write_json(out / "summary.json", summary)
+    if lead:  # even with --quiet
+        print(report.final_line(summary, out), flush=True)
+    if interrupted:
+        print(f"zerojax train: interrupted at step {step}; checkpoint saved in {ckpt} "
+              f"(continue with --resume)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _agree(flag: bool, processes: int) -> bool:
+    """True when any process has `flag` set (so all processes stop at the same step)."""
+    if processes == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def _plain_units(dtype: str):
+    from zerojax.precision import DTYPES
+    from zerojax.units import PlainUnits
+
+    return PlainUnits(DTYPES[dtype])
+
+
+# --------------------------------------------------------------------------------- sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """Generate byte-level text from a checkpoint written by `python -m zerojax train`."""
+
+    checkpoint: tyro.conf.Positional[str]
+    """The run directory (--out of train) or its checkpoints/ directory."""
+    prompt: str = "def "
+    """Text the generation continues."""
+    tokens: int = 200
+    """Bytes to generate."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 picks the most likely byte."""
+    step: int | None = None
+    """Checkpoint step (default: the latest)."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    """`python -m zerojax sample CHECKPOINT [--prompt TEXT] ...`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = tyro.cli(SampleConfig, args=argv, prog="python -m zerojax sample")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        text = sample(args)
+    except (UsageError, ZeroError, FileNotFoundError) as e:
+        print(f"zerojax sample: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def sample(args: SampleConfig) -> str:
+    """The prompt followed by `args.tokens` sampled bytes."""
+    directory = Path(args.checkpoint)
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    if not checkpoint_steps(directory):
+        raise UsageError(f"no checkpoint in {str(directory)!r}; pass a train --out directory")
+    if args.tokens < 0 or args.temperature < 0:
+        raise UsageError("--tokens and --temperature must be non-negative")
+    import jax
+
+    from zerojax import checkpoint
+    from zerojax.engine import Engine
+    from zerojax.mesh import make_mesh
+    from zerojax.models import get_model
+
+    meta = checkpoint.read_metadata(directory, args.step)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    saved = meta.get("extra", {}).get("train_config")
+    if not saved:
+        raise UsageError(f"{str(directory)!r} was not written by `zerojax train` (no "
+                         f"train_config in its metadata)")
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    model = get_model(cfg.model)
+    engine = Engine(model, make_optimizer(cfg)[0], make_mesh(data=1, devices=jax.devices()[:1]))
+    params = jax.device_get(engine.params(engine.restore(directory, meta["step"])))
+    prompt = args.prompt.encode() or b"\n"
+    if max(prompt) >= model.cfg.vocab_size:
+        raise UsageError(f"the prompt has bytes >= preset {cfg.model!r}'s vocab_size "
+                         f"{model.cfg.vocab_size}")
+    out = generate(model, params, list(prompt), args.tokens, args.temperature, args.seed)
+    return bytes(out).decode("utf-8", errors="replace")
+
+
+def generate(model, params, tokens: list[int], n: int, temperature: float,
+             seed: int = 0) -> list[int]:
+    """`tokens` extended by `n` bytes sampled from `model` (window: its context length)."""
+    import jax
+
+    T = model.cfg.seq_len
+    vocab = min(model.cfg.vocab_size, 256)  # byte-level text: ids past 255 are not bytes
+    logits_at = jax.jit(lambda p, x_1xT, i: model.apply(p, x_1xT)[0, i, :vocab])
+    rng = np.random.default_rng(seed)
+    tokens = list(tokens)
+    for _ in range(n):
+        ctx = tokens[-T:]
+        x = np.zeros((1, T), np.int32)
+        x[0, :len(ctx)] = ctx  # causal: the zeros after the context do not change its logits
+        logits = np.asarray(logits_at(params, x, len(ctx) - 1), np.float64)
+        if temperature == 0:
+            tokens.append(int(np.argmax(logits)))
+            continue
+        p = np.exp((logits - logits.max()) / temperature)
+        tokens.append(int(rng.choice(vocab, p=p / p.sum())))
+    return tokens
