@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.mesh import batch_sharding
+from zerojax.precision import DTYPES
 
 # --- Analytic model --------------------------------------------------------------------------
 
@@ -184,3 +191,250 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
             }
         )
     return rows
+
+
+# --- Measurement from compiled programs --------------------------------------------------------
+#
+# Every figure is per device. XLA's buffer assignment gives the memory; the HLO text gives the
+# collectives, each counted as the bytes one device sends in a ring and multiplied by the trip
+# counts of the loops around it.
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "other")
+_KINDS = {
+    "all-gather": "all_gather",
+    "all-gather-start": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-reduce": "all_reduce",
+    "all-reduce-start": "all_reduce",
+    "collective-permute": "other",
+    "collective-permute-start": "other",
+    "all-to-all": "other",
+}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(\(.*\)\s*->.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
+_CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
+                     r"=(%?[\w.\-]+)|\b(?:called|branch)_computations=\{([^}]*)\}")
+
+
+def _dtype_bytes(name: str) -> float:
+    if name == "pred":
+        return 1
+    bits = re.match(r"[a-z]+(\d+)", name)
+    return int(bits.group(1)) / 8 if bits else 0
+
+
+def _shape_bytes(text: str) -> list[float]:
+    """Bytes of every array shape in an HLO type string, in order."""
+    return [_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+            for dt, dims in _SHAPE.findall(text)]
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """`type opcode(operands), attrs` -> (type, the rest from the opcode on)."""
+    if not rest.startswith("("):
+        head, _, tail = rest.partition(" ")
+        return head, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[: i + 1], rest[i + 1 :].lstrip()
+    return rest, ""
+
+
+def _group_size(attrs: str, default: int) -> int:
+    explicit = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # [groups, size]<=[...]
+    return int(iota.group(2)) if iota else default
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
+    """Computations of an HLO module: name -> [(opcode, type, attributes)], and the entry."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line) if not line.startswith((" ", "HloModule")) else None
+        if header:
+            current = comps.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+            continue
+        instr = _INSTR.match(line) if current is not None else None
+        if instr:
+            typ, rest = _split_type(instr.group(1))
+            op = re.match(r"([\w-]+)\(", rest)
+            if op:
+                attrs = re.sub(r"metadata=\{[^}]*\}", "", rest)
+                current.append((op.group(1), typ, attrs))
+    return comps, entry
+
+
+def _trip_count(attrs: str, comps) -> int | None:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", attrs)
+    instrs = comps.get(cond.group(1), []) if cond else []
+    consts = [re.match(r"constant\((-?\d+)\)", rest) for op, _, rest in instrs if op == "constant"]
+    consts = [int(m.group(1)) for m in consts if m]
+    lt = any(op == "compare" and "direction=LT" in rest for op, _, rest in instrs)
+    # `i < K` with i counting from 0: how lax.scan and fori_loop lower.
+    return consts[0] if lt and len(consts) == 1 else None
+
+
+def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
+    """Bytes one device sends per execution of an HLO module, by collective kind (ring model).
+
+    all-gather: (n-1)/n of the output; reduce-scatter: (n-1)/n of the input; all-reduce:
+    2(n-1)/n; collective-permute: the buffer; all-to-all: (n-1)/n. n is the replica-group
+    size (`devices` when the groups are implicit). Collectives inside while loops count once
+    per trip; both branches of a conditional count. "unknown_loops" counts loops whose trip
+    count could not be read (counted once).
+    """
+    comps, entry = _parse_hlo(hlo_text)
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    unknown = 0
+    for name, instrs in comps.items():
+        for op, _, attrs in instrs:
+            if op.endswith(("-done", "-update")):
+                continue  # an async pair lists its computation on both halves
+            factor = 1
+            if op == "while":
+                trip = _trip_count(attrs, comps)
+                unknown += trip is None
+                factor = 1 if trip is None else trip
+            for one, many in _CALLEE.findall(attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", one or many):
+                    if callee in comps:
+                        calls[name].append((callee, factor))
+    # Multiplicity of each computation: sum over call paths from the entry (a DAG).
+    order, seen = [], set()
+
+    def visit(c):
+        if c not in seen:
+            seen.add(c)
+            for callee, _ in calls[c]:
+                visit(callee)
+            order.append(c)
+
+    visit(entry)
+    mult = dict.fromkeys(comps, 0)
+    mult[entry] = 1
+    for c in reversed(order):
+        for callee, factor in calls[c]:
+            mult[callee] += mult[c] * factor
+    out = dict.fromkeys(COLLECTIVES, 0.0)
+    for name, instrs in comps.items():
+        for op, typ, attrs in instrs:
+            kind = _KINDS.get(op)
+            if kind is None or not mult[name]:
+                continue
+            sizes = _shape_bytes(typ)
+            n = _group_size(attrs, devices)
+            if op == "all-gather-start":  # (operands..., results...): results are n/(n+1)
+                size = sum(sizes) * n / (n + 1)
+            elif op == "collective-permute-start":  # (operand, result, contexts...)
+                size = sizes[0]
+            else:
+                size = sum(sizes)
+            sent = {"all-gather": (n - 1) / n * size, "reduce-scatter": (n - 1) * size,
+                    "all-reduce": 2 * (n - 1) / n * size, "all-to-all": (n - 1) / n * size,
+                    "collective-permute": size}[op.removesuffix("-start")]
+            out[kind] += mult[name] * sent
+    out["total"] = sum(out[k] for k in COLLECTIVES)
+    out["unknown_loops"] = unknown
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Per-device memory and traffic of one compiled training step.
+
+    `state` is the model state the engine keeps between steps, by component: `params`
+    (compute copy; 0 where it is the fp32 master itself), `master` (fp32), `optimizer`
+    (optax state), `other` (step counter, loss scale) and `total`. There are no `grads`:
+    gradients live only inside the step, in `temp_bytes`. `collective_bytes` is in the
+    dtype the program asks for; `collective_bytes_compiled` is what the compiled program
+    sends on this backend (XLA:CPU upcasts bf16 collectives to f32).
+    """
+
+    stage: int
+    devices: int  # data-parallel size N the state is sharded over
+    replica: int
+    num_params: int
+    param_bytes: int  # bytes per compute param
+    reduce_bytes: int  # bytes per reduced gradient element
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # argument + output - alias + temp
+    state: dict[str, int]
+    collective_bytes: dict[str, float]
+    collective_bytes_compiled: dict[str, float]
+
+    def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
+        """The analytic `estimate` and `comm_estimate` for this configuration."""
+        kw = {"replica": self.replica}
+        devices = self.devices * self.replica
+        mem = estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
+                       grad_bytes=self.param_bytes, **kw)
+        comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
+                             grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes, **kw)
+        return mem, comm
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def state_bytes(engine) -> dict[str, int]:
+    """Per-device bytes of the engine's state by component (from shapes and shardings)."""
+    state = engine.abstract_state()
+
+    def nbytes(tree) -> int:
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree))
+
+    out = {"params": nbytes(state.compute), "master": nbytes(state.master),
+           "optimizer": nbytes(state.opt_state),
+           "other": nbytes((state.step, state.loss_scale))}
+    out["total"] = sum(out.values())
+    return out
+
+
+def measure(engine, batch) -> Measurement:
+    """Compiles `engine`'s step for abstract inputs (allocating nothing) and measures it.
+
+    `batch`: the global batch as arrays or `jax.ShapeDtypeStruct`s. The engine learns its
+    units from it if it has not been initialized.
+    """
+    sharding = batch_sharding(engine.mesh)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         batch)
+    if engine.plan is None:
+        engine._discover(jax.eval_shape(engine.model.init, jax.random.key(0)), batch)
+    lowered = engine.lower(engine.abstract_state(), batch)
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    n_all = engine.replica * engine.data
+    cfg = engine.config
+    return Measurement(
+        stage=cfg.stage,
+        devices=engine.data,
+        replica=engine.replica,
+        num_params=engine.layout.num_params,
+        param_bytes=jnp.dtype(DTYPES[cfg.param_dtype]).itemsize,
+        reduce_bytes=jnp.dtype(DTYPES[cfg.grad_dtype]).itemsize,
+        argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes,
+        peak_bytes=(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        state=state_bytes(engine),
+        collective_bytes=collective_bytes(lowered.compiler_ir("hlo").as_hlo_text(), n_all),
+        collective_bytes_compiled=collective_bytes(compiled.as_text(), n_all),
+    )
