@@ -291,9 +291,13 @@ def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
     all-gather: (n-1)/n of the output; reduce-scatter: (n-1)/n of the input; all-reduce:
     2(n-1)/n; collective-permute: the buffer; all-to-all: (n-1)/n. n is the replica-group
     size (`devices` when the groups are implicit). Collectives inside while loops count once
-    per trip; both branches of a conditional count. "unknown_loops" counts loops whose trip
-    count could not be read (counted once).
+    per trip; both branches of a conditional count.
     """
+    return _collectives(hlo_text, devices)[0]
+
+
+def _collectives(hlo_text: str, devices: int) -> tuple[dict[str, float], int, int]:
+    """(bytes by kind, collectives launched, loops whose trip count is unknown and so is 1)."""
     comps, entry = _parse_hlo(hlo_text)
     calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
     unknown = 0
@@ -326,7 +330,7 @@ def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
     for c in reversed(order):
         for callee, factor in calls[c]:
             mult[callee] += mult[c] * factor
-    out = dict.fromkeys(COLLECTIVES, 0.0)
+    out, launches = dict.fromkeys(COLLECTIVES, 0.0), 0
     for name, instrs in comps.items():
         for op, typ, attrs in instrs:
             kind = _KINDS.get(op)
@@ -344,9 +348,9 @@ def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
                     "all-reduce": 2 * (n - 1) / n * size, "all-to-all": (n - 1) / n * size,
                     "collective-permute": size}[op.removesuffix("-start")]
             out[kind] += mult[name] * sent
+            launches += mult[name]
     out["total"] = sum(out[k] for k in COLLECTIVES)
-    out["unknown_loops"] = unknown
-    return out
+    return out, launches, unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,6 +379,8 @@ class Measurement:
     state: dict[str, int]
     collective_bytes: dict[str, float]
     collective_bytes_compiled: dict[str, float]
+    collective_launches: int  # collectives the program starts per step (loops unrolled)
+    unknown_loops: int  # while loops whose trip count was not found (counted once)
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
         """The analytic `estimate` and `comm_estimate` for this configuration."""
@@ -411,16 +417,12 @@ def measure(engine, batch) -> Measurement:
     `batch`: the global batch as arrays or `jax.ShapeDtypeStruct`s. The engine learns its
     units from it if it has not been initialized.
     """
-    sharding = batch_sharding(engine.mesh)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                         batch)
-    if engine.plan is None:
-        engine._discover(jax.eval_shape(engine.model.init, jax.random.key(0)), batch)
-    lowered = engine.lower(engine.abstract_state(), batch)
+    lowered = lower(engine, batch)
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
     n_all = engine.replica * engine.data
     cfg = engine.config
+    requested, launches, unknown = _collectives(lowered.compiler_ir("hlo").as_hlo_text(), n_all)
     return Measurement(
         stage=cfg.stage,
         devices=engine.data,
@@ -435,6 +437,18 @@ def measure(engine, batch) -> Measurement:
         peak_bytes=(mem.argument_size_in_bytes + mem.output_size_in_bytes
                     - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
         state=state_bytes(engine),
-        collective_bytes=collective_bytes(lowered.compiler_ir("hlo").as_hlo_text(), n_all),
+        collective_bytes=requested,
         collective_bytes_compiled=collective_bytes(compiled.as_text(), n_all),
+        collective_launches=launches,
+        unknown_loops=unknown,
     )
+
+
+def lower(engine, batch):
+    """`engine`'s step lowered for abstract, sharded inputs (learning the units if needed)."""
+    sharding = batch_sharding(engine.mesh)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                                        sharding=sharding), batch)
+    if engine.plan is None:
+        engine._discover(jax.eval_shape(engine.model.init, jax.random.key(0)), batch)
+    return engine.lower(engine.abstract_state(), batch)
