@@ -179,6 +179,17 @@ class Engine:
         layout = self.layout
         return jax.jit(layout.from_flat)(state.master)
 
+    def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
+             keep: int | None = None, extra: dict | None = None) -> int:
+        """Saves `state` in the logical layout (any stage, any N); see `zerojax.checkpoint.save`."""
+        from zerojax import checkpoint  # orbax is imported only by those who checkpoint
+        return checkpoint.save(self, state, directory, step, wait=wait, keep=keep, extra=extra)
+
+    def restore(self, directory, step: int | None = None) -> TrainState:
+        """The saved state of `step` (default: latest) on this engine's mesh and stage."""
+        from zerojax import checkpoint
+        return checkpoint.restore(self, directory, step)
+
 
 def _check_same_structure(expected, params) -> None:
     exp = {jax.tree_util.keystr(p): tuple(jnp.shape(x))

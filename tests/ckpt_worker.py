@@ -1,0 +1,148 @@
+"""Subprocess side of tests/test_checkpoint.py: one run per process, so each can have its own
+simulated device count (XLA_FLAGS is set by the parent before Python starts).
+
+  train   --stage S --data N --steps T [--restore DIR] [--save DIR --save-at K ...]
+          [--out FILE.npz] [--hang-at K --hang {write,finalize}]   (--out: params at the end,
+          or at K before the save that hangs)
+  big     DIR --leaves L --rows R --cols C        (a > 1 GB checkpoint of a plain model)
+  rss     CHECKPOINT OUT                           (export; prints peak RSS over baseline)
+"""
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import psutil
+
+import zerojax  # noqa: F401 -- the RSS baseline is taken right after this import
+
+BASELINE_RSS = psutil.Process().memory_info().rss
+
+
+def _hang_in(where: str) -> None:
+    """Makes the next save stop forever at `where`, announcing it, so the parent can kill it."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+    from orbax.checkpoint._src.path import atomicity
+
+    def hang(*args, **kwargs):
+        print("HANG", flush=True)
+        time.sleep(3600)
+
+    async def hang_async(*args, **kwargs):
+        hang()
+
+    if where == "write":  # the "meta" item: the arrays are being or have been written
+        json_checkpoint_handler.JsonCheckpointHandler.async_save = hang_async
+    else:  # everything written, just before the atomic rename
+        atomicity.AtomicRenameTemporaryPath.finalize = hang_async
+
+
+def train(args) -> None:
+    import jax
+    import numpy as np
+    from helpers import CLIP, adamw, gpt_batch, tiny_gpt
+
+    import zerojax as zj
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = tiny_gpt()
+    engine = zj.Engine(model, adamw(), zj.make_mesh(data=args.data),
+                       zj.ZeroConfig(stage=args.stage, clip_norm=CLIP))
+    batch = lambda s: gpt_batch(model.cfg, 24, s)
+    if args.restore:
+        state = engine.restore(args.restore)
+    else:
+        state = engine.init(jax.random.key(0), batch(0))
+    def write_params():
+        flat = jax.tree.flatten_with_path(engine.params(state))[0]
+        np.savez(args.out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
+
+    while True:
+        step = int(state.step)
+        if step == args.hang_at:
+            write_params()  # what a resumed run must reproduce
+            _hang_in(args.hang)
+        if step in args.save_at or step == args.hang_at:
+            engine.save(state, args.save, extra={"seed": 0, "batch": 24})
+        if step >= args.steps:
+            break
+        state, _ = engine.step(state, batch(step))
+    if args.out:
+        write_params()
+
+
+class BigModel:
+    """`leaves` fp32 matrices of [rows, cols]; the loss touches each one (never run here)."""
+
+    def __init__(self, leaves: int, rows: int, cols: int):
+        self.leaves, self.rows, self.cols = leaves, rows, cols
+
+    def init(self, rng):
+        import jax.numpy as jnp
+        from jax import lax
+
+        def leaf(i):  # cheap pseudo-random values (threefry over 1 GB is slow on CPU)
+            n = lax.broadcasted_iota(jnp.uint32, (self.rows, self.cols), 0) * self.cols \
+                + lax.broadcasted_iota(jnp.uint32, (self.rows, self.cols), 1)
+            h = (n + jnp.uint32(i)) * jnp.uint32(2654435761)
+            return (h ^ (h >> 15)).astype(jnp.float32) * jnp.float32(2.0**-32) - 0.5
+
+        return {f"w{i}": leaf(i) for i in range(self.leaves)}
+
+    def loss(self, params, batch, units):
+        total = sum(units.gather(w)[0, 0] for w in params.values())
+        return total * batch["x"].mean()
+
+
+def big(args) -> None:
+    import jax
+    import numpy as np
+    import optax
+
+    import zerojax as zj
+
+    engine = zj.Engine(BigModel(args.leaves, args.rows, args.cols), optax.sgd(0.1),
+                       zj.make_mesh(data=jax.device_count()), zj.ZeroConfig(stage=3))
+    state = engine.init(jax.random.key(0), {"x": np.ones((jax.device_count(),), np.float32)})
+    engine.save(state, args.dir)
+
+
+def rss(args) -> None:
+    from zerojax.checkpoint import export_main
+
+    t = time.perf_counter()
+    rc = export_main([args.checkpoint, "--out", args.out])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"rc": rc, "baseline": BASELINE_RSS, "peak": peak,
+                      "seconds": time.perf_counter() - t}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--stage", type=int, required=True)
+    t.add_argument("--data", type=int, required=True)
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--restore")
+    t.add_argument("--save")
+    t.add_argument("--save-at", type=int, nargs="*", default=[])
+    t.add_argument("--out")
+    t.add_argument("--hang-at", type=int, default=-1)
+    t.add_argument("--hang", choices=["write", "finalize"], default="finalize")
+    b = sub.add_parser("big")
+    b.add_argument("dir")
+    b.add_argument("--leaves", type=int, required=True)
+    b.add_argument("--rows", type=int, required=True)
+    b.add_argument("--cols", type=int, required=True)
+    r = sub.add_parser("rss")
+    r.add_argument("checkpoint")
+    r.add_argument("out")
+    args = p.parse_args()
+    {"train": train, "big": big, "rss": rss}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
