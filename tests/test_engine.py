@@ -38,23 +38,27 @@ def check_parity(engine, batch=GLOBAL_BATCH):
     return losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+VARIANTS = {"0": {"stage": 0}, "1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3},
+            "3-prefetch": {"stage": 3, "prefetch": True}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
-def test_parity_with_single_device_optax(stage, n):
-    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP)
+def test_parity_with_single_device_optax(variant, n):
+    cfg = zj.ZeroConfig(clip_norm=CLIP, **VARIANTS[variant])
     losses = check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=n), cfg))
     assert losses[-1] < losses[0]  # the run actually trains
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_grad_accum_matches_one_big_batch(stage):
-    cfg = zj.ZeroConfig(stage=stage, grad_accum=4, clip_norm=CLIP)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_grad_accum_matches_one_big_batch(variant):
+    cfg = zj.ZeroConfig(grad_accum=4, clip_norm=CLIP, **VARIANTS[variant])
     check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=2), cfg), batch=16)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_hybrid_mesh_2x4(stage):
-    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hybrid_mesh_2x4(variant):
+    cfg = zj.ZeroConfig(clip_norm=CLIP, **VARIANTS[variant])
     check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4, replica=2), cfg))
 
 

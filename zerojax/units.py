@@ -165,6 +165,8 @@ class ShardUnits:
         idx = [h.index for h in hs]
         xs = [self.args[i] for i in idx]
         fulls = [None] * len(idx) if self.full is None else [self.full[i] for i in idx]
+        if self.stage == 3 and self.prefetch:
+            return _prefetch_scan(self, body, carry, stacked, idx)
 
         def step(c, layer):
             args_l, fulls_l = layer
@@ -218,3 +220,69 @@ def _gather_bwd(dtype, token, ct):
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3 with prefetch: layer i+1's all_gather is issued while layer i computes (and layer
+# i-1's while layer i runs backward). A custom_vjp over the whole scan keeps the residuals to
+# the shards and each layer's input carry; gathered weights never outlive their layer + 1.
+
+
+def _prefetch_scan(units, body, carry, stacked, idx):
+    layout, dtype = units.layout, units.dtype
+    leaves = [layout.leaves[i] for i in idx]
+    xs = [units.args[i] for i in idx]  # [L, k] each, in the reduction dtype
+    length = xs[0].shape[0]
+
+    def gather_layer(xs, i):
+        return [unpad_unit(lax.all_gather(lax.dynamic_index_in_dim(x, i, 0, False).astype(dtype),
+                                          DATA, axis=0, tiled=True), leaf)
+                for x, leaf in zip(xs, leaves)]
+
+    def layer_fn(c, ws):
+        return body(c, _rebuild(stacked, ws))
+
+    ws0 = gather_layer(xs, 0)
+    fn, consts = jax.closure_convert(layer_fn, carry, ws0)
+
+    @jax.custom_vjp
+    def run(carry, xs, consts):
+        return _forward(carry, xs, consts)[0]
+
+    # Both loops run all L layers alike; the last iteration of each re-gathers a layer it
+    # already has (2 extra layer gathers per step). Peeling that iteration instead costs
+    # buffers outside the loop that XLA cannot share with it: 0.6 layers more peak memory
+    # measured on an 8-layer GPT, against 1 layer for this form.
+    def _forward(carry, xs, consts):
+        def step(state, i):
+            c, ws = state
+            ws_next = gather_layer(xs, jnp.minimum(i + 1, length - 1))  # prefetch
+            return (fn(c, ws, *consts), ws_next), c
+
+        (c, _), cs = lax.scan(step, (carry, gather_layer(xs, 0)), jnp.arange(length))
+        return c, cs
+
+    def fwd(carry, xs, consts):
+        c, cs = _forward(carry, xs, consts)
+        return c, (cs, xs, consts)
+
+    def bwd(res, ct):
+        cs, xs, consts = res
+
+        def step(state, i):
+            ct, ws, ct_k = state
+            ws_prev = gather_layer(xs, jnp.maximum(i - 1, 0))  # prefetch
+            c_in = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), cs)
+            _, vjp = jax.vjp(lambda c, w, k: fn(c, w, *k), c_in, ws, consts)
+            ct, ct_ws, ct_ki = vjp(ct)
+            g = [lax.psum_scatter(pad_unit(w, leaf, layout.shards).astype(x.dtype), DATA,
+                                  scatter_dimension=0, tiled=True)  # [N·k] -> [k]
+                 for w, leaf, x in zip(ct_ws, leaves, xs)]
+            return (ct, ws_prev, jax.tree.map(jnp.add, ct_k, ct_ki)), g
+
+        init = (ct, gather_layer(xs, length - 1), jax.tree.map(jnp.zeros_like, consts))
+        (ct, _, ct_k), gs = lax.scan(step, init, jnp.arange(length), reverse=True)
+        return ct, gs, ct_k
+
+    run.defvjp(fwd, bwd)
+    return run(carry, xs, consts)
