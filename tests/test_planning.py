@@ -1,0 +1,140 @@
+"""The planner and the estimate / measure / plan commands."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import zerojax as zj
+from zerojax.models import GPT
+from zerojax.planning import estimate_main, measure_main, parse_bytes, plan, plan_main
+
+MB = 1e6
+
+
+def small8_batch(n):
+    shape = (n, GPT.from_preset("small8").cfg.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """Every stage of small8 on 8 devices with memory to spare (4 compiles, shared)."""
+    return plan(GPT.from_preset("small8"), 8, 1e12, small8_batch(8), remat=(True,),
+                grad_accum=(1,))
+
+
+def test_everything_fits_picks_stage_0(roomy):
+    assert [c.stage for c in roomy.candidates] == [0, 1, 2, 3]
+    assert all(c.fits for c in roomy.candidates)
+    # Stages 0-2 send the same bytes (2(N-1)/N·Ψ·2); stage 0 does it in the fewest collectives.
+    assert roomy.best.stage == 0 and roomy.best.chosen and roomy.best.reason == ""
+    assert roomy.config() == zj.ZeroConfig(stage=0, param_dtype="bfloat16", remat=True)
+    by_stage = {c.stage: c for c in roomy.candidates}
+    assert "same traffic" in by_stage[2].reason
+    assert by_stage[3].reason.startswith("fits; sends")
+    assert by_stage[3].comm_bytes / by_stage[0].comm_bytes == pytest.approx(1.5, rel=0.02)
+
+
+def test_stage_3_when_nothing_else_fits(roomy):
+    peaks = {c.stage: c.peak_bytes for c in roomy.candidates}
+    assert peaks[3] < 10 * MB < min(peaks[0], peaks[1], peaks[2])
+    tight = roomy.refit(10 * MB)
+    assert tight.best.stage == 3
+    assert [c.fits for c in tight.candidates] == [False, False, False, True]
+    for c in tight.candidates[:3]:
+        assert c.reason.startswith("peak ") and c.reason.endswith("> 10.0 MB")
+    assert roomy.best.stage == 0  # refit leaves the original alone
+
+
+def test_nothing_fits_and_state_too_big_is_not_compiled():
+    result = plan(GPT.from_preset("small8"), 8, 1 * MB, small8_batch(8), stages=(0,),
+                  remat=(True,), grad_accum=(1,))
+    (c,) = result.candidates
+    assert result.best is None and not c.fits and c.peak_bytes is None
+    assert c.state_bytes == pytest.approx(16 * GPT.from_preset("small8").num_params() - 2 *
+                                          GPT.from_preset("small8").num_params(), rel=1e-5)
+    assert c.reason == "model state alone is 23.4 MB > 1.00 MB (not compiled)"
+    assert c.comm_bytes == pytest.approx(2 * 7 / 8 * 2 * GPT.from_preset("small8").num_params(),
+                                         rel=1e-5)
+    with pytest.raises(ValueError, match="no configuration fits"):
+        result.config()
+
+
+def test_indivisible_micro_batches_are_rejected_with_the_reason():
+    result = plan(GPT.from_preset("small8"), 8, 1e12, small8_batch(8), stages=(1,),
+                  remat=(True,), grad_accum=(2,))
+    (c,) = result.candidates
+    assert result.best is None and c.reason.startswith("batch: per-device batch 1")
+
+
+@pytest.mark.parametrize("text, value", [("80GB", 80e9), ("80GiB", 80 * 2**30), ("8e10", 8e10),
+                                         ("512MB", 512e6), ("1.5 TB", 1.5e12), ("100", 100)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_garbage():
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("eighty gigs")
+
+
+# --- commands -----------------------------------------------------------------------------
+
+def test_estimate_json_reproduces_zero_figure_1(capsys):
+    assert estimate_main(["--params", "7.5e9", "--devices", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    totals = [s["memory"]["total"] for s in out["stages"]]
+    assert totals == [120e9, 31.40625e9, 16.640625e9, 1.875e9]
+    assert out["stages"][3]["comm"]["total"] == 1.5 * out["stages"][0]["comm"]["total"]
+
+
+def test_estimate_table(capsys):
+    assert estimate_main(["--params", "7.5e9", "--devices", "64"]) == 0
+    out = capsys.readouterr().out
+    for text in ("120 GB", "31.4 GB", "16.6 GB", "1.88 GB"):
+        assert text in out
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (estimate_main, ["--params", "7.5e9"], "required: --devices"),
+    (estimate_main, ["--params", "1.5", "--devices", "8"], "num_params=1.5"),
+    (estimate_main, ["--params", "1e9", "--devices", "0"], "'0' must be a positive integer"),
+    (measure_main, ["--model", "huge", "--devices", "8"], "invalid choice: 'huge'"),
+    (measure_main, ["--model", "test", "--devices", "8", "--stage", "4"], "stages are 0, 1"),
+    (plan_main, ["--model", "test", "--devices", "8", "--memory", "lots"], "not a size"),
+    (plan_main, ["--model", "test", "--devices", "8"], "required: --memory"),
+])
+def test_bad_options_exit_2_with_one_line(main, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+@pytest.fixture
+def keep_xla_flags(monkeypatch):
+    # The commands set XLA_FLAGS for the device count; keep that from leaking to other tests.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+
+
+def test_plan_command_when_nothing_fits(capsys, keep_xla_flags):
+    argv = ["--model", "small8", "--devices", "8", "--memory", "1MB", "--stages", "0",
+            "--remat", "on", "--grad-accum", "1"]
+    assert plan_main([*argv, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"] is None and out["device_memory"] == 1_000_000
+    assert out["candidates"][0]["reason"].startswith("model state alone")
+    assert plan_main(argv) == 1
+    captured = capsys.readouterr()
+    assert "model state alone" in captured.out and "nothing fits" in captured.err
+
+
+def test_measure_command_needs_a_fresh_process_for_more_devices(capsys, keep_xla_flags):
+    with pytest.raises(SystemExit) as exc:
+        measure_main(["--model", "test", "--devices", "16"])
+    assert exc.value.code == 2
+    assert "run it in a fresh process" in capsys.readouterr().err
