@@ -220,6 +220,9 @@ def _open(directory, step: int | None):
                               f"{type(e).__name__}: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not a zerojax checkpoint record (step {step})")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{where} has format version {meta['format_version']}, newer "
+                              f"than this zerojax reads ({FORMAT_VERSION}); upgrade zerojax")
     return mngr, step, meta
 
 
@@ -237,25 +240,17 @@ def steps(directory) -> list[int]:
     return sorted(_manager(path).all_steps())
 
 
-def _diff(kind: str, want: list[dict], got: list[dict], fields=("shape", "dtype")) -> list[str]:
-    w, g = {d["path"]: d for d in want}, {d["path"]: d for d in got}
-    out = []
-    for k in sorted(set(w) | set(g)):
-        if k not in w or k not in g:
-            out.append(f"{kind}{k}: checkpoint {'absent' if k not in g else _fmt(g[k])}, "
-                       f"expected {'absent' if k not in w else _fmt(w[k])}")
-        elif any(tuple(np.atleast_1d(w[k][f])) != tuple(np.atleast_1d(g[k][f])) for f in fields):
-            out.append(f"{kind}{k}: checkpoint {_fmt(g[k])}, expected {_fmt(w[k])}")
-    return out
+def _diff(kind: str, want: list[dict], got: list[dict]) -> list[str]:
+    """"<leaf>: checkpoint <dtype(shape)>, expected <dtype(shape)>" for each differing leaf."""
+    fmt = lambda d: f"{d['dtype']}{tuple(d['shape'])}"
+    w, g = {d["path"]: fmt(d) for d in want}, {d["path"]: fmt(d) for d in got}
+    return [f"{kind}{k}: checkpoint {g.get(k, 'absent')}, expected {w.get(k, 'absent')}"
+            for k in sorted(set(w) | set(g)) if w.get(k) != g.get(k)]
 
 
 def _listing(diffs: list[str], limit: int = 10) -> str:
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more
-
-
-def _fmt(d: dict) -> str:
-    return f"{d['dtype']}{tuple(d['shape'])}"
 
 
 def restore(engine, directory, step: int | None = None):
@@ -281,9 +276,10 @@ def restore(engine, directory, step: int | None = None):
     except Exception as e:  # tensorstore and orbax raise many types for damaged files
         raise CheckpointError(f"cannot read the arrays of {where} ({_dir(directory)}/{step}/"
                               f"{STATE}): {type(e).__name__}: {e}") from None
-    records = meta["params"] + meta["opt_state"]["leaves"]
+    records = [("params", r) for r in meta["params"]]
+    records += [("opt_state", r) for r in meta["opt_state"]["leaves"]]
     sums = jax.device_get(jax.jit(_sums)(tree))
-    bad = [r["path"] for r, s in zip(records, sums, strict=True)
+    bad = [kind + r["path"] for (kind, r), s in zip(records, sums, strict=True)
            if r.get("checksum") is not None and r["checksum"] != s]
     if bad:
         raise CheckpointError(f"{where} is corrupted: checksum mismatch in {_listing(bad)}")
