@@ -232,6 +232,7 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
         "final_loss": train[-1]["loss"] if train else None,
         "initial_eval_loss": evals[0]["eval_loss"] if evals else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_count": len(evals),
         "num_params": num_params,
         "devices": {"count": len(devices), "platform": devices[0].platform,
                     "processes": len({d.process_index for d in devices}),
@@ -252,10 +253,13 @@ def final_line(s: dict[str, Any], out: Path) -> str:
     parts = [f"step {s['steps_done']}"]
     if s["final_loss"] is not None:
         parts.append(f"loss {s['final_loss']:.4f}")
-    if s["final_eval_loss"] is not None:
-        parts.append(f"eval {s['initial_eval_loss']:.3f} → {s['final_eval_loss']:.3f}")
+    first, last = s["initial_eval_loss"], s["final_eval_loss"]
+    if last is not None:
+        parts.append(f"eval {first:.3f} → {last:.3f}" if s["eval_count"] > 1
+                     else f"eval {last:.3f}")
     t = s["timings"]
     if t["tokens_per_s"]:
         parts.append(f"{t['tokens_per_s']:,.0f} tok/s")
     parts.append(f"{t['wall_s']:.0f} s")
-    return "done: " + ", ".join(parts) + f"  → {out}/"
+    head = "interrupted" if s["interrupted"] else "done"
+    return f"{head}: " + ", ".join(parts) + f"  → {out}/"

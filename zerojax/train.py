@@ -370,19 +370,23 @@ def _fail(error: BaseException, code: int) -> int:
     return code
 
 
-def _interruptible():
-    """A flag set by the first Ctrl-C (SIGINT); the second one raises KeyboardInterrupt."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        return flag, lambda: None
-    previous = signal.getsignal(signal.SIGINT)
+class _Stop:
+    """Remembers the first SIGINT (Ctrl-C) or SIGTERM; a second one acts as it did before."""
 
-    def handler(signum, frame):
-        flag.set()
-        signal.signal(signal.SIGINT, previous)
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
-    signal.signal(signal.SIGINT, handler)
-    return flag, lambda: signal.signal(signal.SIGINT, previous)
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous[signum])
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # --------------------------------------------------------------------------------- the run
@@ -448,7 +452,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     log = report.MetricsLog(out / "metrics.jsonl", start, enabled=lead)
     tokens_per_step = cfg.batch * cfg.seq_len
     show = report.Reporter(console, cfg.steps, start, tokens_per_step, enabled=not cfg.quiet)
-    stop, restore_sigint = _interruptible()
+    stop = _Stop()
     times, eval_s, saved, interrupted = [], 0.0, {start} if cfg.resume else set(), False
     profiling = None
     step = start
@@ -461,7 +465,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
             eval_s += time.perf_counter() - t
         batch = batches.batch(start)
         for step in range(start, cfg.steps):
-            if _agree(stop.is_set(), pc):
+            if _agree(stop.signum is not None, pc):
                 interrupted = True
                 break
             if cfg.profile and step == start + 1:
@@ -479,7 +483,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
             if not math.isfinite(loss):
                 raise NonFiniteLoss(
                     f"loss is {loss} at step {step + 1} (lr {float(schedule(step)):.3g}); "
-                    f"stopped without saving. Lower --lr, keep --clip-norm, or use float32")
+                    f"stopped without saving. Lower --lr, set --clip-norm, or use "
+                    f"--param-dtype float32")
             times.append(dt)
             rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm,
                    "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / dt,
@@ -496,7 +501,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
         else:
             step = cfg.steps
     finally:
-        restore_sigint()
+        stop.close()
         show.close()
         if profiling:
             jax.profiler.stop_trace()
@@ -517,9 +522,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     if lead:  # even with --quiet
         print(report.final_line(summary, out), flush=True)
     if interrupted:
-        print(f"zerojax train: interrupted at step {step}; checkpoint saved in {ckpt} "
-              f"(continue with --resume)", file=sys.stderr)
-        return 130
+        if lead:
+            saved_msg = (f"checkpoint saved in {ckpt} (continue with --resume)" if step else
+                         "nothing to save before the first step")
+            print(f"zerojax train: interrupted at step {step}; {saved_msg}", file=sys.stderr)
+        return 128 + (stop.signum or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     return 0
 
 
