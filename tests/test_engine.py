@@ -103,3 +103,18 @@ def test_grad_norm_is_global_and_excludes_padding():
         assert eng.layout.padded_params > eng.layout.num_params  # padding exists
         _, m = eng.step(state, batch)
         np.testing.assert_allclose(float(m["grad_norm"]), ref, rtol=1e-5)
+
+
+def test_partitioned_optimizer_on_shards():
+    """optax.multi_transform with per-leaf labels: Adam on blocks, SGD elsewhere."""
+    model = tiny_gpt()
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    labels = {k: jax.tree.map(lambda _, k=k: "adam" if k == "blocks" else "sgd", v)
+              for k, v in params.items()}
+    opt = optax.multi_transform({"adam": adamw(), "sgd": optax.sgd(0.1, momentum=0.9)}, labels)
+    batches = [gpt_batch(model.cfg, 8, s) for s in range(5)]
+    ref_losses, ref_params = reference_run(model, opt, batches, clip=None)
+    eng = zj.Engine(model, opt, zj.make_mesh(data=3), zj.ZeroConfig(stage=3))
+    losses, p, _ = engine_run(eng, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(p, ref_params, rtol=RTOL, atol=ATOL)

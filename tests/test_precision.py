@@ -1,0 +1,65 @@
+"""float16 dynamic loss scaling: a non-finite step is skipped everywhere alike; bf16 runs."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import CLIP, adamw, engine_run, gpt_batch, reference_run, tiny_gpt
+
+import zerojax as zj
+from zerojax.models import SeedMLP
+
+BATCH = {"x": np.array([[1.0, 3.0], [2.0, 1.0]], np.float32),
+         "y": np.array([5.0, 7.0], np.float32)}
+
+
+def seed_engine(stage, **cfg):
+    opt = optax.adam(0.1, b1=0.9, b2=0.999, eps=1e-8)
+    return zj.Engine(SeedMLP(), opt, zj.make_mesh(data=2),
+                     zj.ZeroConfig(stage=stage, param_dtype="float16", **cfg))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overflowing_steps_are_skipped_then_training_resumes(stage):
+    # The seed's gradients reach 11; times 2**17 that overflows fp16 (max 65504) until the
+    # scale has halved down to 2**12.
+    engine = seed_engine(stage, loss_scale_init=2.0**17, loss_scale_interval=1000)
+    state = engine.init(jax.random.key(0), BATCH)
+    before = jax.tree.map(np.asarray, (engine.params(state), state.opt_state))
+    scales, skipped = [], []
+    for _ in range(6):
+        state, m = engine.step(state, BATCH)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(int(m["skipped"]))
+        if not skipped[-1]:
+            break
+        after = jax.tree.map(np.asarray, (engine.params(state), state.opt_state))
+        jax.tree.map(np.testing.assert_array_equal, after, before)  # nothing moved
+    assert skipped == [1, 1, 1, 1, 1, 0]
+    assert scales == [2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**12, 2.0**12]
+    # The first finite step is the seed's first Adam step.
+    np.testing.assert_allclose(SeedMLP.flat(engine.params(state)), [2.1, -2.9, 1.1, 0.6],
+                               rtol=5e-6)
+
+
+def test_scale_grows_after_the_interval():
+    engine = seed_engine(1, loss_scale_init=4.0, loss_scale_interval=2)
+    state = engine.init(jax.random.key(0), BATCH)
+    scales = []
+    for _ in range(5):
+        state, m = engine.step(state, BATCH)
+        scales.append(float(m["loss_scale"]))
+        assert int(m["skipped"]) == 0
+    assert scales == [4.0, 8.0, 8.0, 16.0, 16.0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bfloat16_training_tracks_fp32_reference(stage):
+    model = tiny_gpt()
+    batches = [gpt_batch(model.cfg, 8, s) for s in range(10)]
+    ref_losses, _ = reference_run(model, adamw(), batches)
+    cfg = zj.ZeroConfig(stage=stage, param_dtype="bfloat16", clip_norm=CLIP)
+    losses, _, state = engine_run(zj.Engine(model, adamw(), zj.make_mesh(data=4), cfg), batches)
+    assert jax.tree.leaves(state.compute)[0].dtype == np.dtype("bfloat16")
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert losses[-1] < losses[0] - 0.1
