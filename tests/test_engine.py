@@ -79,7 +79,7 @@ def test_masked_optimizer_on_shards():
     params = jax.eval_shape(model.init, jax.random.key(0))
     mask = jax.tree_util.tree_map_with_path(
         lambda p, x: len(x.shape) - ("blocks" in jax.tree_util.keystr(p)) >= 2, params)
-    opt = optax.adamw(3e-3, weight_decay=0.5, mask=mask)
+    opt = optax.adamw(3e-3, weight_decay=0.5, eps=1e-6, mask=mask)  # eps: see helpers.adamw
     batches = [gpt_batch(model.cfg, 8, s) for s in range(5)]
     ref_losses, ref_params = reference_run(model, opt, batches, clip=None)
     for stage in (1, 3):
