@@ -80,7 +80,7 @@ def test_masked_optimizer_on_shards():
     mask = jax.tree_util.tree_map_with_path(
         lambda p, x: len(x.shape) - ("blocks" in jax.tree_util.keystr(p)) >= 2, params)
     opt = optax.adamw(3e-3, weight_decay=0.5, eps=1e-6, mask=mask)  # eps: see helpers.adamw
-    batches = [gpt_batch(model.cfg, 8, s) for s in range(5)]
+    batches = [gpt_batch(model.cfg, GLOBAL_BATCH, s) for s in range(STEPS)]
     ref_losses, ref_params = reference_run(model, opt, batches, clip=None)
     for stage in (1, 3):
         eng = zj.Engine(model, opt, zj.make_mesh(data=4), zj.ZeroConfig(stage=stage))
@@ -112,7 +112,7 @@ def test_partitioned_optimizer_on_shards():
     labels = {k: jax.tree.map(lambda _, k=k: "adam" if k == "blocks" else "sgd", v)
               for k, v in params.items()}
     opt = optax.multi_transform({"adam": adamw(), "sgd": optax.sgd(0.1, momentum=0.9)}, labels)
-    batches = [gpt_batch(model.cfg, 8, s) for s in range(5)]
+    batches = [gpt_batch(model.cfg, GLOBAL_BATCH, s) for s in range(STEPS)]
     ref_losses, ref_params = reference_run(model, opt, batches, clip=None)
     eng = zj.Engine(model, opt, zj.make_mesh(data=3), zj.ZeroConfig(stage=3))
     losses, p, _ = engine_run(eng, batches)
