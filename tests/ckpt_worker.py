@@ -109,12 +109,26 @@ def big(args) -> None:
     engine.save(state, args.dir)
 
 
+def _peak_rss() -> int:
+    """Peak RSS of this process's own address space (VmHWM).
+
+    Not ru_maxrss: Linux carries that over exec from the spawning process, so a child of a
+    large pytest process would report the parent's peak.
+    """
+    try:
+        status = open("/proc/self/status").read()
+        return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1]) \
+            * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def rss(args) -> None:
     from zerojax.checkpoint import export_main
 
     t = time.perf_counter()
     rc = export_main([args.checkpoint, "--out", args.out])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss()
     print(json.dumps({"rc": rc, "baseline": BASELINE_RSS, "peak": peak,
                       "seconds": time.perf_counter() - t}))
 

@@ -305,16 +305,20 @@ def test_other_dtype(saved):
         make_engine(1, 2, optimizer=opt).restore(saved.dir)
 
 
-def test_export_bad_input_is_one_line(tmp_path):
+def test_export_bad_input_is_one_line(tmp_path, capsys):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    for args in ([str(tmp_path / "nope"), "--out", str(tmp_path / "p.safetensors")],
-                 [str(tmp_path), "--out", str(tmp_path / "p.bin")],
-                 [str(tmp_path)]):
-        done = subprocess.run([sys.executable, "-m", "zerojax", "export", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode != 0
-        lines = [x for x in done.stderr.splitlines() if not x.startswith("WARNING")]
-        assert len(lines) == 1 and lines[0].startswith("zerojax export: error:"), done.stderr
+    done = subprocess.run([sys.executable, "-m", "zerojax", "export", str(tmp_path / "nope"),
+                           "--out", str(tmp_path / "p.safetensors")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"zerojax export: error: checkpoint directory {tmp_path / 'nope'} does not exist"]
+    for args, rc in (([str(tmp_path), "--out", str(tmp_path / "p.bin")], 1),
+                     ([str(tmp_path), "--out", str(tmp_path / "p.safetensors")], 1),
+                     ([str(tmp_path)], 2), ([str(tmp_path), "--step", "x", "--out", "p"], 2)):
+        assert ck.export_main(args) == rc
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("zerojax export: error:"), lines
 
 
 # ---------------------------------------------------------------- export memory
