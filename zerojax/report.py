@@ -22,6 +22,14 @@ from rich.table import Table
 from zerojax.accounting import format_bytes
 
 
+def make_console(quiet: bool) -> Console:
+    """Rich console; off a terminal (log files) lines are not wrapped at 80 columns."""
+    console = Console(quiet=quiet, highlight=False)
+    if not console.is_terminal:
+        console.width = 120
+    return console
+
+
 def state_bytes_per_device(state, device: jax.Device) -> int:
     """Bytes of `device`'s addressable shards of every array in `state` (measured, not modelled)."""
     total = 0
@@ -176,12 +184,12 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(clean(obj), indent=2) + "\n")
 
 
-def estimate_for(num_params: int, devices: int, cfg):
+def estimate_for(num_params: int, devices: int, stage: int, cfg):
     """The ZeRO paper's per-device model-state bytes for this run (fp32 Adam: K = 12)."""
     from zerojax.accounting import estimate
 
     size = {"float32": 4}.get(cfg.param_dtype, 2)
-    return estimate(num_params, devices, cfg.stage, param_bytes=size, grad_bytes=size,
+    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
                     optimizer_bytes=12, replica=cfg.replica)
 
 
@@ -263,3 +271,11 @@ def final_line(s: dict[str, Any], out: Path) -> str:
     parts.append(f"{t['wall_s']:.0f} s")
     head = "interrupted" if s["interrupted"] else "done"
     return f"{head}: " + ", ".join(parts) + f"  → {out}/"
+
+
+def finish(out: Path, records: list[dict[str, Any]], s: dict[str, Any], title: str) -> None:
+    """Process 0's end of a run: loss.png, summary.json and the final line (even if quiet)."""
+    if records:
+        plot_losses(records, out / "loss.png", title)
+    write_json(out / "summary.json", s)
+    print(final_line(s, out), flush=True)

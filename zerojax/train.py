@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import tyro
@@ -42,8 +42,7 @@ class TrainConfig:
     stage: Literal[0, 1, 2, 3] = 3
     """ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
     devices: int | None = None
-    """Devices per process. CPU-only: this many simulated devices (default 4); with
-    accelerators: the first N local ones (default all)."""
+    """Devices per process: simulated on CPU (default 4); on GPU the first N (default all)."""
     replica: int = 1
     """Replica groups for hybrid sharding: state sharded within a group, replicated across."""
     steps: int = 200
@@ -67,8 +66,7 @@ class TrainConfig:
     clip_norm: float | None = 1.0
     """Clip gradients to this global norm; None disables clipping."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of params and gradients (masters and Adam moments stay float32;
-    float16 uses dynamic loss scaling)."""
+    """Compute dtype of params and grads (masters, Adam: fp32; float16: loss scaling)."""
     remat: bool = True
     """Recompute each layer in backward instead of saving its activations."""
     prefetch: bool = False
@@ -88,11 +86,9 @@ class TrainConfig:
     profile: bool = False
     """Write a jax.profiler trace of a few steps to OUT/profile (TensorBoard / Perfetto)."""
     data: str | None = None
-    """Token file instead of the embedded corpus: .txt (bytes), .bin (uint16) or .npy; the
-    last 5% is held out for eval."""
+    """Token file (.txt bytes, .bin uint16, .npy) instead of the corpus; its last 5% is eval."""
     coordinator: str | None = None
-    """HOST:PORT of process 0 for a multi-process run (with --num-processes, --process-id);
-    under SLURM or Open MPI the processes are found automatically."""
+    """HOST:PORT of process 0 (with --num-processes, --process-id); SLURM/Open MPI: automatic."""
     num_processes: int | None = None
     """Processes in a multi-process run."""
     process_id: int | None = None
@@ -102,8 +98,7 @@ class TrainConfig:
     quiet: bool = False
     """No table and no progress; only errors and a final line."""
     config: str | None = None
-    """JSON or TOML file whose keys are these options (dashes or underscores); flags given on
-    the command line override it."""
+    """JSON or TOML file of these options (keys: option names); command-line flags override it."""
 
 
 class UsageError(ValueError):
@@ -395,7 +390,6 @@ class _Stop:
 def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
-    from rich.console import Console
 
     from zerojax import report
     from zerojax.config import ZeroConfig
@@ -403,21 +397,29 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh, put_batch
     from zerojax.models import get_model
+    from zerojax.precision import DTYPES
+    from zerojax.units import PlainUnits
 
     t_start = time.perf_counter()
     pi, pc = jax.process_index(), jax.process_count()
     lead = pi == 0
     out, ckpt = Path(cfg.out), Path(cfg.out) / "checkpoints"
-    console = Console(quiet=not lead or cfg.quiet, highlight=False)
-    if not console.is_terminal:
-        console.width = 120  # log files: lines are not wrapped at 80 columns
-    devices = select_devices(cfg.devices if jax.default_backend() != "cpu" or cfg.devices
-                             else None)
+    console = report.make_console(quiet=not lead or cfg.quiet)
+    devices = select_devices(cfg.devices)
     check_split(cfg, len(devices))
     mesh = make_mesh(data=len(devices) // cfg.replica, replica=cfg.replica, devices=devices)
     model = get_model(cfg.model)
-    zcfg = ZeroConfig(stage=cfg.stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
-                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=cfg.prefetch)
+    notes = []
+    stage, prefetch = cfg.stage, cfg.prefetch
+    if len(devices) == cfg.replica and stage > 0:
+        # With one device per group every stage holds the same full state; the engine's
+        # stages 1-3 do not compile for a data axis of size 1.
+        notes.append(f"one device per replica group: stage {stage} runs as stage 0")
+        stage, prefetch = 0, False
+    if cfg.xla_overlap and devices[0].platform != "gpu":
+        notes.append(f"--xla-overlap: GPU flags, no effect on {devices[0].platform}")
+    zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
+                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch)
     optimizer, schedule = make_optimizer(cfg)
     engine = Engine(model, optimizer, mesh, zcfg)
 
@@ -438,12 +440,14 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
                      jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured = report.state_bytes_per_device(state, mine)
-    estimate = report.estimate_for(num_params, len(devices), cfg)
+    estimate = report.estimate_for(num_params, len(devices), stage, cfg)
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
-        + report.memory_rows(estimate, measured), "zerojax train"))
+        + report.memory_rows(estimate, measured)
+        + [("note", n) for n in notes], "zerojax train"))
 
-    eval_fn = jax.jit(lambda params, b: model.loss(params, b, _plain_units(cfg.param_dtype)))
+    units = PlainUnits(DTYPES[cfg.param_dtype])
+    eval_fn = jax.jit(lambda params, b: model.loss(params, b, units))
 
     def evaluate(state) -> float:
         params = engine.params(state)
@@ -457,7 +461,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     profiling = None
     step = start
     try:
-        show.status(f"compiling the stage-{cfg.stage} step…" if start < cfg.steps else
+        show.status(f"compiling the stage-{stage} step…" if start < cfg.steps else
                     f"already at step {start} of {cfg.steps}")
         if start == 0 and cfg.eval_every:
             t = time.perf_counter()
@@ -515,12 +519,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted)
     if lead:
-        if log.records:
-            report.plot_losses(log.records, out / "loss.png",
-                               f"{cfg.model}, stage {cfg.stage}, {len(devices)} devices")
-        report.write_json(out / "summary.json", summary)
-    if lead:  # even with --quiet
-        print(report.final_line(summary, out), flush=True)
+        report.finish(out, log.records, summary, f"{cfg.model}, stage {stage}, "
+                                                 f"{len(devices)} devices")
     if interrupted:
         if lead:
             saved_msg = (f"checkpoint saved in {ckpt} (continue with --resume)" if step else
@@ -539,13 +539,6 @@ def _agree(flag: bool, processes: int) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
-def _plain_units(dtype: str):
-    from zerojax.precision import DTYPES
-    from zerojax.units import PlainUnits
-
-    return PlainUnits(DTYPES[dtype])
-
-
 # --------------------------------------------------------------------------------- sampling
 
 
@@ -553,7 +546,7 @@ def _plain_units(dtype: str):
 class SampleConfig:
     """Generate byte-level text from a checkpoint written by `python -m zerojax train`."""
 
-    checkpoint: tyro.conf.Positional[str]
+    checkpoint: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="CHECKPOINT")]
     """The run directory (--out of train) or its checkpoints/ directory."""
     prompt: str = "def "
     """Text the generation continues."""
