@@ -26,6 +26,10 @@ from zerojax.models import PRESETS
 
 DEFAULT_CPU_DEVICES = 4
 _FORCE = "--xla_force_host_platform_device_count"
+# Options that change a run's trajectory (the data order or the updates), unlike devices,
+# stage or output options; a resume that changes them is reported.
+_TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
+               "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
 # Collective/compute overlap on GPU (see DESIGN.md section 5); the thresholds are raised to at
 # least one layer's bytes in `overlap_flags`.
 _OVERLAP = ("--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -156,14 +160,13 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks every option that can be checked before jax starts; fills in the defaults."""
-    for name in ("steps", "batch", "replica", "grad_accum", "eval_batches"):
+    for name, low in [*((n, 1) for n in ("steps", "batch", "replica", "grad_accum",
+                                         "eval_batches", "devices", "seq_len")),
+                      *((n, 0) for n in ("save_every", "eval_every", "warmup", "seed"))]:
         v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UsageError(f"--{_dash(name)}={v!r} must be a positive integer")
-    for name in ("save_every", "eval_every", "warmup", "seed"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise UsageError(f"--{_dash(name)}={v!r} must be a non-negative integer")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            kind = "a positive" if low else "a non-negative"
+            raise UsageError(f"--{name.replace('_', '-')}={v!r} must be {kind} integer")
     if cfg.model not in PRESETS:
         raise UsageError(f"unknown GPT preset --model={cfg.model!r}; choose one of "
                          f"{', '.join(PRESETS)}")
@@ -174,11 +177,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"in [0, 1] and --weight-decay={cfg.weight_decay} non-negative")
     ctx = PRESETS[cfg.model].seq_len
     seq_len = ctx if cfg.seq_len is None else cfg.seq_len
-    if not 1 <= seq_len <= ctx:
-        raise UsageError(f"--seq-len={seq_len} must be between 1 and preset {cfg.model!r}'s "
-                         f"context length {ctx}")
-    if cfg.devices is not None and cfg.devices < 1:
-        raise UsageError(f"--devices={cfg.devices} must be a positive integer")
+    if seq_len > ctx:
+        raise UsageError(f"--seq-len={seq_len} exceeds preset {cfg.model!r}'s context length "
+                         f"{ctx}")
     dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
     if any(v is not None for v in dist) and any(v is None for v in dist):
         raise UsageError("--coordinator, --num-processes and --process-id go together; give "
@@ -213,10 +214,6 @@ def check_split(cfg: TrainConfig, devices: int) -> None:
                          f"{devices * cfg.grad_accum}")
 
 
-def _dash(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def checkpoint_steps(directory: Path) -> list[int]:
     """The complete (integer-named) step directories of a checkpoint directory."""
     if not directory.is_dir():
@@ -233,8 +230,10 @@ def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
         train, ev = split_tokens(load_tokens(cfg.data))
         what = cfg.data
     vocab = PRESETS[cfg.model].vocab_size
-    if np.iinfo(train.dtype).max >= vocab:  # a full scan only when the dtype could overflow
-        top = max(int(train.max()), int(ev.max()))
+    if np.iinfo(train.dtype).max >= vocab:  # only when the dtype can hold larger ids
+        # A prefix of a large memory-mapped file; ids past it make the loss NaN, which stops
+        # the run naming the step.
+        top = max(int(train[:2**26].max()), int(ev[:2**26].max()))
         if top >= vocab:
             raise UsageError(f"{what} has token id {top} but preset {cfg.model!r} has "
                              f"vocab_size {vocab}; use a larger preset or re-tokenize")
@@ -429,12 +428,19 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     evals = [{k: v[rows] for k, v in b.items()}
              for b in eval_batches(eval_tokens, cfg.seq_len, cfg.batch, cfg.eval_batches)]
 
+    extra = {"train_config": dataclasses.asdict(cfg)}
     if cfg.resume:
+        from zerojax.checkpoint import read_metadata
+
         state = engine.restore(ckpt)
+        old = read_metadata(ckpt, int(state.step))["extra"].get("train_config", {})
+        changed = [f"{k} {old[k]!r} → {v!r}" for k, v in extra["train_config"].items()
+                   if k in _TRAJECTORY and k in old and old[k] != v]
+        if changed:
+            notes.append("resumed with other options than saved: " + ", ".join(changed))
     else:
         state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
     start = int(state.step)
-    extra = {"train_config": dataclasses.asdict(cfg)}
 
     num_params = sum(math.prod(x.shape) for x in
                      jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
