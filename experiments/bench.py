@@ -1,0 +1,472 @@
+"""Steady-state step time of zerojax stages 0-3 against GSPMD FSDP and single-device optax.
+
+Every variant trains the same GPT preset from the same init on the same batch with the same
+precision policy (fp32 master params and Adam moments, `--param-dtype` compute) and the same
+remat. Variants run round-robin, one timed block each per repeat, so load drift on a shared
+machine hits all of them alike; each figure is a median over repeats and a ratio against
+GSPMD FSDP from the same run. See docs/performance.md.
+
+    python experiments/bench.py --preset small8 --devices 8 --batch 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from zerojax.mesh import DATA, put_batch
+from zerojax.models import GPT
+from zerojax.overlap import apply_overlap_flags
+from zerojax.precision import DTYPES
+from zerojax.units import PlainUnits
+
+BASELINE = "gspmd_fsdp"
+HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
+WARMUP_STEPS = 2  # after the compiling call
+# Dense bf16 tensor-core peaks (FLOP/s), matched against `device_kind`; --peak-flops overrides.
+PEAK_BF16 = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small8", help="GPT preset (zerojax.models.gpt.PRESETS)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="mesh size N (default: 8 simulated on CPU, all devices otherwise)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default 2·N)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timed blocks (>= 5)")
+    p.add_argument("--steps-per-repeat", type=int, default=2)
+    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each layer in backward, in every variant")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip, every variant")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="subset to run (the GSPMD FSDP baseline always runs)")
+    p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each variant")
+    p.add_argument("--overlap", choices=("off", "flags", "o1"), default="off",
+                   help="GPU overlap: zerojax.overlap XLA flags, or JAX_OPTIMIZATION_LEVEL=O1")
+    p.add_argument("--peak-flops", type=float, default=None, help="per-device peak for MFU")
+    p.add_argument("--hlo", nargs="?", const="", metavar="DIR",
+                   help="also report compiled-HLO collectives, op counts and peak memory "
+                        "(and write each variant's optimized HLO text to DIR)")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the results as JSON to PATH (default: stdout)")
+    args = p.parse_args(argv)
+    if args.repeats < 5:
+        p.error(f"--repeats {args.repeats}: medians need at least 5 interleaved repeats")
+    if args.steps_per_repeat < 1:
+        p.error("--steps-per-repeat must be >= 1")
+    return args
+
+
+def setup_backend(args) -> list[str]:
+    """Sets XLA_FLAGS / JAX_OPTIMIZATION_LEVEL; must run before jax starts its backend."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    # Only the host (CPU) platform reads this flag, so it is harmless on GPU machines.
+    flags.append(f"--xla_force_host_platform_device_count={args.devices or 8}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    if args.overlap == "o1":
+        os.environ["JAX_OPTIMIZATION_LEVEL"] = "O1"
+        jax.config.update("jax_optimization_level", "O1")
+        return []
+    return apply_overlap_flags() if args.overlap == "flags" else []
+
+
+# ---------------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Variant:
+    """One thing to time: `step(state, batch) -> (state, metrics)`, donating `state`."""
+
+    name: str
+    step: Callable
+    state: Any
+    batch: Any
+    lower: Callable  # () -> jax.stages.Lowered of the step, for --hlo
+    times: list = field(default_factory=list)
+    cpu: list = field(default_factory=list)  # process CPU seconds per step: work, not waiting
+    compile_s: float = 0.0
+    loss: float = float("nan")
+
+
+def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False) -> Variant:
+    cfg = zj.ZeroConfig(stage=stage, param_dtype=args.param_dtype, clip_norm=args.clip_norm,
+                        remat=args.remat, prefetch=prefetch)
+    engine = zj.Engine(model, optax.adamw(3e-4), mesh, cfg)
+    batch = put_batch(host_batch, mesh)
+    state = engine.init(jax.random.key(0), batch)
+    return Variant(name, engine.step, state, batch, lambda: engine.lower(None, batch))
+
+
+def fsdp_spec(shape, n: int, first: int = 0) -> P:
+    """Shards the largest dimension (from `first` on) divisible by `n`; replicated if none."""
+    dims = [i for i in range(first, len(shape)) if n > 1 and shape[i] % n == 0]
+    if not dims:
+        return P()
+    axis = max(dims, key=lambda i: (shape[i], -i))
+    return P(*(DATA if i == axis else None for i in range(len(shape))))
+
+
+class HintedUnits(PlainUnits):
+    """MaxText-style hints for GSPMD: each gathered weight replicated, activations on batch."""
+
+    def __init__(self, dtype, remat, mesh):
+        super().__init__(dtype, remat)
+        self.full, self.act = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
+
+    def gather(self, subtree):
+        return jax.lax.with_sharding_constraint(super().gather(subtree), self.full)
+
+    def scan(self, body, carry, stacked):
+        hinted = lambda c, p: jax.lax.with_sharding_constraint(body(c, p), self.act)
+        return super().scan(hinted, jax.lax.with_sharding_constraint(carry, self.act), stacked)
+
+
+def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
+    """Plain jax + optax; with a mesh, GSPMD FSDP (annotations only, XLA picks collectives)."""
+    tx = optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(3e-4))
+    dtype = DTYPES[args.param_dtype]
+    units = HintedUnits(dtype, args.remat, mesh) if hinted else PlainUnits(dtype, args.remat)
+    rng = jax.random.key(0)
+    abstract = jax.eval_shape(model.init, rng)
+    opt_abstract = jax.eval_shape(tx.init, abstract)
+    if mesh is None:  # single device: no shardings at all
+        p_sh = o_sh = b_sh = out_sh = None
+        batch = jax.device_put(host_batch, jax.devices()[0])
+    else:
+        n = mesh.shape[DATA]
+        # The layer axis of the stacked blocks is the scan axis: never shard it.
+        p_sh = jax.tree_util.tree_map_with_path(
+            lambda path, a: NamedSharding(mesh, fsdp_spec(
+                a.shape, n, 1 if jax.tree_util.keystr(path[:1]) == "['blocks']" else 0)),
+            abstract)
+        o_sh = optax.tree_map_params(
+            tx, lambda _, s: s, opt_abstract, p_sh,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+            is_leaf=lambda x: isinstance(x, NamedSharding))
+        b_sh, out_sh = NamedSharding(mesh, P(DATA)), NamedSharding(mesh, P())
+        batch = jax.device_put(host_batch, b_sh)
+
+    def train_step(state, batch):
+        params, opt_state = state
+        loss, g = jax.value_and_grad(lambda p: model.loss(p, batch, units))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    shard = (dict(in_shardings=((p_sh, o_sh), b_sh), out_shardings=((p_sh, o_sh), out_sh))
+             if mesh is not None else {})
+    step = jax.jit(train_step, donate_argnums=0, **shard)
+    params = jax.jit(model.init, out_shardings=p_sh)(rng)
+    state = (params, jax.jit(tx.init, out_shardings=o_sh)(params))
+    return Variant(name, step, state, batch, lambda: step.lower(state, batch))
+
+
+def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], dict[str, str]]:
+    """All variants that build and warm up; the others map to the reason they are n/a."""
+    makers = {
+        BASELINE: lambda: optax_variant(BASELINE, model, mesh, args, host_batch),
+        HINTED: lambda: optax_variant(HINTED, model, mesh, args, host_batch, hinted=True),
+        **{f"stage{s}": (lambda s=s: zero_variant(f"stage{s}", model, mesh, args, host_batch, s))
+           for s in range(4)},
+        "stage3_prefetch": lambda: zero_variant("stage3_prefetch", model, mesh, args,
+                                                host_batch, 3, prefetch=True),
+    }
+    if mesh.shape[DATA] == 1:
+        makers["optax_single"] = lambda: optax_variant("optax_single", model, None, args,
+                                                       host_batch)
+    wanted = set(args.variants or makers) | {BASELINE}
+    unknown = wanted - set(makers)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {sorted(makers)}")
+    todo = [n for n in makers if n in wanted]
+    log(f"build + compile {', '.join(todo)}")
+    # Compiling is untimed and mostly single-threaded: overlap the variants' compiles.
+    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        jobs = {n: pool.submit(_prepare, makers[n]) for n in todo}
+    ready, na = {}, {}
+    for name, job in jobs.items():
+        try:
+            v = job.result()
+            for _ in range(1 + WARMUP_STEPS):  # the first call only fetches the compiled step
+                v.state, m = v.step(v.state, v.batch)
+            jax.block_until_ready((v.state, m))
+            ready[name] = v
+        except Exception as e:  # noqa: BLE001 -- e.g. prefetch not built yet: report, go on
+            if name == BASELINE:
+                raise
+            na[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log(f"  {name}: n/a ({na[name]})")
+    return ready, na
+
+
+def _prepare(make) -> Variant:
+    v = make()
+    t0 = time.perf_counter()
+    v.lower().compile()  # fills the jit cache that v.step then hits
+    v.compile_s = time.perf_counter() - t0
+    return v
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+def time_interleaved(variants: dict[str, Variant], repeats: int, steps: int) -> None:
+    """Round-robin timed blocks, rotating the start so no variant always follows the same one."""
+    names = list(variants)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            v = variants[name]
+            gc.collect()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                v.state, m = v.step(v.state, v.batch)
+            jax.block_until_ready((v.state, m))
+            v.times.append((time.perf_counter() - t0) / steps)
+            v.cpu.append((time.process_time() - c0) / steps)
+            v.loss = float(m["loss"])
+        log(f"repeat {r + 1}/{repeats}: " + " ".join(
+            f"{n}={variants[n].times[-1] * 1e3:.0f}ms" for n in names))
+
+
+def summarize(variants, na, tokens, flops_per_token, peak, n_dev) -> dict:
+    base = variants[BASELINE].times
+    out = {}
+    for name, v in variants.items():
+        t = np.array(v.times)
+        med = float(np.median(t))
+        paired = np.array(v.times) / np.array(base)
+        tps = tokens / med
+        out[name] = {
+            "status": "ok", "median_s": med, "min_s": float(t.min()), "max_s": float(t.max()),
+            "q25_s": float(np.percentile(t, 25)), "q75_s": float(np.percentile(t, 75)),
+            "ratio": med / float(np.median(base)),
+            "paired_ratio": float(np.median(paired)),
+            "paired_ratio_min": float(paired.min()), "paired_ratio_max": float(paired.max()),
+            "cpu_s": float(np.median(v.cpu)),
+            "cpu_ratio": float(np.median(v.cpu)) / float(np.median(variants[BASELINE].cpu)),
+            "tokens_per_s": tps,
+            "mfu": None if peak is None else flops_per_token * tps / (peak * n_dev),
+            "compile_s": v.compile_s, "loss": v.loss, "times_s": [float(x) for x in t],
+        }
+    for name, reason in na.items():
+        out[name] = {"status": "n/a", "reason": reason}
+    return out
+
+
+def targets(res: dict) -> dict:
+    """The issue-7 CPU targets, judged on this run's medians."""
+    ok = lambda n: res.get(n, {}).get("status") == "ok"
+    t = {}
+    if ok("stage3"):
+        t["stage3_over_fsdp"] = res["stage3"]["ratio"]
+        t["stage3_le_0.8x_fsdp"] = res["stage3"]["ratio"] <= 0.8
+    if all(ok(f"stage{s}") for s in (1, 2, 3)):
+        meds = [res[f"stage{s}"]["median_s"] for s in (1, 2, 3)]
+        t["stages_123_spread"] = max(meds) / min(meds) - 1
+        t["stages_123_within_10pct"] = t["stages_123_spread"] <= 0.10
+    return t
+
+
+# ---------------------------------------------------------------------------------- HLO
+
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "f64": 8}
+_TRIVIAL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+_INSTR = re.compile(r"^\s+(?:ROOT )?%\S+ = (\(.*?\)|\w+\[[\d,]*\])\S* ([\w-]+)\((.*)$")
+
+
+def hlo_stats(text: str) -> dict:
+    """Collectives and ops executed per step (while bodies × known trip count), per device."""
+    comps, cur, entry = {}, None, None
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if head:
+            cur = comps.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+        elif cur is not None and _INSTR.match(line):
+            cur.append(_INSTR.match(line).groups())
+    stats = {"ops": 0, "fusions": 0, "while_loops": 0, "collectives": {}, "comm_bytes": 0}
+
+    def walk(name, mult):
+        for shape, op, rest in comps.get(name, []):
+            if op not in _TRIVIAL:
+                stats["ops"] += mult
+            stats["fusions"] += mult * (op == "fusion")
+            if op == "while":
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', rest)
+                stats["while_loops"] += mult
+                walk(re.search(r"body=%([\w.-]+)", rest).group(1),
+                     mult * (int(trips.group(1)) if trips else 1))
+            elif op in ("call", "conditional", "async-start"):
+                for callee in re.findall(r"(?:to_apply|calls|branch_computations)=\{?%([\w.-]+)",
+                                         rest):
+                    walk(callee, mult)
+            kind = op.removesuffix("-start")
+            if kind in _COLLECTIVES:
+                c = stats["collectives"].setdefault(kind, {"count": 0, "bytes": 0})
+                arrays = re.findall(r"(\w+)\[([\d,]*)\]", shape)
+                if op.endswith("-start"):  # async: (operands, results); count the results
+                    arrays = arrays[len(arrays) // 2:]
+                nbytes = sum(_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                             for t, dims in arrays)
+                g = _group_size(rest)
+                ring = {"all-gather": (g - 1) / g, "reduce-scatter": g - 1,
+                        "all-reduce": 2 * (g - 1) / g}.get(kind, 1.0)
+                c["count"] += mult
+                c["bytes"] += mult * nbytes
+                stats["comm_bytes"] += int(mult * nbytes * ring)
+
+    walk(entry, 1)
+    return stats
+
+
+def _group_size(rest: str) -> int:
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", rest)
+    if named:  # mesh['axis_0'=2,'axis_1'=1] {'axis_0'}: the product of the named axes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", named.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", named.group(2)))
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", rest)
+    if iota:
+        return int(iota.group(1))
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    return len(explicit.group(1).split(",")) if explicit else 1
+
+
+def compiled_stats(v: Variant, directory: str = "") -> dict:
+    compiled = v.lower().compile()
+    text = compiled.as_text()
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"{v.name}.hlo.txt"), "w") as f:
+            f.write(text)
+    stats = hlo_stats(text)
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        stats["peak_bytes"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                               - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+        stats["temp_bytes"] = mem.temp_size_in_bytes
+    return stats
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    dev = jax.devices()[0]
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {"platform": dev.platform, "device_kind": dev.device_kind,
+            "devices_visible": jax.device_count(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "loadavg_start": os.getloadavg()}
+
+
+def peak_flops(args, dev) -> float | None:
+    if args.peak_flops:
+        return args.peak_flops
+    if dev.platform != "gpu" or args.param_dtype == "float32":
+        return None
+    kind = dev.device_kind.lower()
+    return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+
+
+def table(result: dict) -> str:
+    cfg = result["config"]
+    rows = [f"{cfg['preset']}  N={cfg['devices']}  batch={cfg['batch']}  "
+            f"{cfg['param_dtype']}  remat={cfg['remat']}  {cfg['repeats']}×"
+            f"{cfg['steps_per_repeat']} steps  ({result['machine']['device_kind']})",
+            f"{'variant':<18}{'median ms':>10}{'min':>8}{'max':>8}{'× fsdp':>8}"
+            f"{'paired':>8}{'cpu ms':>8}{'× fsdp':>8}{'tok/s':>9}{'MFU':>7}"]
+    for name, r in result["variants"].items():
+        if r["status"] != "ok":
+            rows.append(f"{name:<18}{'n/a':>10}  {r['reason']}")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        rows.append(f"{name:<18}{r['median_s'] * 1e3:>10.1f}{r['min_s'] * 1e3:>8.1f}"
+                    f"{r['max_s'] * 1e3:>8.1f}{r['ratio']:>8.3f}{r['paired_ratio']:>8.3f}"
+                    f"{r['cpu_s'] * 1e3:>8.0f}{r['cpu_ratio']:>8.3f}"
+                    f"{r['tokens_per_s']:>9.0f}{mfu:>7}")
+    rows += [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
+             for k, v in result["targets"].items()]
+    return "\n".join(rows)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    overlap_flags = setup_backend(args)
+    n = args.devices or len(jax.devices())
+    model = GPT.from_preset(args.preset)
+    c = model.cfg
+    batch_size = args.batch or 2 * n
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, c.vocab_size, (batch_size, c.seq_len + 1)).astype(np.int32)
+    host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    mesh = zj.make_mesh(data=n)
+    info = machine()
+    variants, na = build_variants(model, mesh, args, host_batch)
+    time_interleaved(variants, args.repeats, args.steps_per_repeat)
+    info["loadavg_end"] = os.getloadavg()
+    peak = peak_flops(args, jax.devices()[0])
+    res = summarize(variants, na, batch_size * c.seq_len, model.flops_per_token(), peak, n)
+    if args.hlo is not None:
+        for name, v in variants.items():
+            log(f"HLO stats {name}")
+            res[name]["hlo"] = compiled_stats(v, args.hlo)
+    if args.profile:
+        jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+        for name, v in variants.items():
+            with jax.profiler.TraceAnnotation(name):
+                for _ in range(args.steps_per_repeat):
+                    v.state, m = v.step(v.state, v.batch)
+                jax.block_until_ready((v.state, m))
+        jax.profiler.stop_trace()
+    result = {
+        "config": {**{k: getattr(args, k) for k in ("preset", "param_dtype", "repeats",
+                                                    "steps_per_repeat", "remat", "clip_norm",
+                                                    "overlap", "profile")},
+                   "devices": n, "batch": batch_size, "seq_len": c.seq_len,
+                   "num_params": model.num_params(), "flops_per_token": model.flops_per_token(),
+                   "peak_flops": peak, "overlap_flags": overlap_flags,
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:]},
+        "machine": info, "baseline": BASELINE, "variants": res, "targets": targets(res),
+    }
+    if args.json is None or args.json != "-":
+        print(table(result))
+    if args.json == "-":
+        print(json.dumps(result, indent=1))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
