@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -19,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from zerojax.accounting import format_bytes
+from zerojax.accounting import estimate, format_bytes
 
 
 def make_console(quiet: bool) -> Console:
@@ -65,10 +67,8 @@ def memory_rows(estimate, measured: int) -> list[tuple[str, str]]:
 class Reporter:
     """Progress display: a rich bar on a terminal, a line every `every` steps otherwise."""
 
-    def __init__(self, console: Console, total: int, start: int, tokens_per_step: int,
-                 enabled: bool = True):
+    def __init__(self, console: Console, total: int, start: int, enabled: bool = True):
         self.console, self.total, self.enabled = console, total, enabled
-        self.tokens_per_step = tokens_per_step
         self.every = max(1, (total - start) // 10)
         self.start = start
         self.recent: list[float] = []  # step times, for the ETA; the first (compile) is left out
@@ -186,8 +186,6 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg):
     """The ZeRO paper's per-device model-state bytes for this run (fp32 Adam: K = 12)."""
-    from zerojax.accounting import estimate
-
     size = {"float32": 4}.get(cfg.param_dtype, 2)
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
                     optimizer_bytes=12, replica=cfg.replica)
@@ -225,10 +223,6 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,
             eval_s, step, interrupted) -> dict[str, Any]:
     """The contents of `summary.json`."""
-    import dataclasses
-
-    import numpy as np
-
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     steady = times[1:] or times

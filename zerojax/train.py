@@ -30,11 +30,6 @@ _FORCE = "--xla_force_host_platform_device_count"
 # stage or output options; a resume that changes them is reported.
 _TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
                "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
-# Collective/compute overlap on GPU (see DESIGN.md section 5); the thresholds are raised to at
-# least one layer's bytes in `overlap_flags`.
-_OVERLAP = ("--xla_gpu_enable_latency_hiding_scheduler=true",
-            "--xla_gpu_enable_pipelined_all_gather=true",
-            "--xla_gpu_enable_pipelined_reduce_scatter=true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,10 +248,14 @@ def start_runtime(cfg: TrainConfig) -> None:
     if cfg.devices is not None or not any(f.startswith(_FORCE) for f in flags):
         flags = [f for f in flags if not f.startswith(_FORCE)]
         flags.append(f"{_FORCE}={cfg.devices or DEFAULT_CPU_DEVICES}")
-    if cfg.xla_overlap and _gpu_likely():
-        flags += [f for f in overlap_flags(cfg) if f.split("=")[0] not in os.environ.get(
-            "XLA_FLAGS", "")]
     os.environ["XLA_FLAGS"] = " ".join(flags)
+    if cfg.xla_overlap:
+        from zerojax.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
+
+        c = PRESETS[cfg.model]
+        layer = (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) * (4 if cfg.param_dtype ==
+                                                                "float32" else 2)
+        apply_overlap_flags(combine_threshold_bytes=max(layer, DEFAULT_COMBINE_BYTES))
 
     import jax
 
@@ -271,25 +270,6 @@ def start_runtime(cfg: TrainConfig) -> None:
                                        process_id=cfg.process_id)
         else:
             jax.distributed.initialize()
-
-
-def overlap_flags(cfg: TrainConfig) -> list[str]:
-    """XLA GPU flags that overlap ZeRO's collectives with compute."""
-    c = PRESETS[cfg.model]
-    layer = (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) * {"float32": 4}.get(cfg.param_dtype, 2)
-    threshold = max(layer, 2**26)
-    return [*_OVERLAP, f"--xla_gpu_all_gather_combine_threshold_bytes={threshold}",
-            f"--xla_gpu_reduce_scatter_combine_threshold_bytes={threshold}"]
-
-
-def _gpu_likely() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return "cuda" in platforms or "gpu" in platforms
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None
-               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -461,7 +441,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
 
     log = report.MetricsLog(out / "metrics.jsonl", start, enabled=lead)
     tokens_per_step = cfg.batch * cfg.seq_len
-    show = report.Reporter(console, cfg.steps, start, tokens_per_step, enabled=not cfg.quiet)
+    show = report.Reporter(console, cfg.steps, start, enabled=not cfg.quiet)
     stop = _Stop()
     times, eval_s, saved, interrupted = [], 0.0, {start} if cfg.resume else set(), False
     profiling = None
