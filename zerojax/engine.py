@@ -50,7 +50,7 @@ class Engine:
         treedef = jax.tree.structure(params_abstract)
         avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in paths_avals]
         paths = [jax.tree_util.keystr(p) for p, _ in paths_avals]
-        flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)), treedef, 1)
+        flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)), treedef, 1, True)
         rec = RecordingUnits(avals, DTYPES[self.config.param_dtype])
         local = self.config.grad_accum * self.replica * self.data
 
@@ -73,8 +73,8 @@ class Engine:
 
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
-        shards = 1 if self.config.stage == 0 else self.data
-        layout = Layout(tuple(leaves), treedef, shards)
+        stage0 = self.config.stage == 0
+        layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data, replicated=stage0)
         self.plan = StepPlan(self.model, self.optimizer, layout, self.config, self.axes,
                              self.replica, self.data)
         self._step_fn = None

@@ -38,11 +38,12 @@ class LeafSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """The sharded layout of a model's params over `shards` devices (1 = replicated, unpadded)."""
+    """The layout of a model's params over `shards` devices of "data" (stage 0: replicated)."""
 
     leaves: tuple[LeafSpec, ...]
     treedef: jax.tree_util.PyTreeDef
     shards: int
+    replicated: bool = False  # stage 0: one unpadded copy per device (shards == 1)
 
     def shard_size(self, leaf: LeafSpec) -> int:
         """`k`: elements of one unit that one device holds."""
@@ -54,8 +55,8 @@ class Layout:
         return (leaf.shape[0], p) if leaf.stacked else (p,)
 
     def spec(self, leaf: LeafSpec) -> P:
-        """PartitionSpec of the padded flat leaf (replicated when shards == 1)."""
-        if self.shards == 1:
+        """PartitionSpec of the padded flat leaf."""
+        if self.replicated:
             return P()
         return P(None, DATA) if leaf.stacked else P(DATA)
 
