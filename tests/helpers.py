@@ -1,7 +1,6 @@
 """Shared test helpers: a single-device optax reference and GPT batches."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

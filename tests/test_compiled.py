@@ -20,7 +20,7 @@ from zerojax.models import GPT, PRESETS, GPTConfig
 N, BATCH = 8, 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(stage, layers=8, grad_accum=1, prefetch=False, micro=BATCH):
     cfg = PRESETS["small8"]
     model = GPT(GPTConfig(**{**cfg.__dict__, "n_layers": layers}))

@@ -23,7 +23,7 @@ GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4, 8 and by 2 x 4 x ... (hybrid)
 RTOL, ATOL = 1e-5, 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(batch, steps=STEPS):
     model = tiny_gpt()
     batches = [gpt_batch(model.cfg, batch, s) for s in range(steps)]
@@ -118,3 +118,16 @@ def test_partitioned_optimizer_on_shards():
     losses, p, _ = engine_run(eng, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_tree_close(p, ref_params, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_evaluate_matches_the_plain_loss(stage):
+    from zerojax.units import PlainUnits
+
+    model = tiny_gpt()
+    batch = gpt_batch(model.cfg, 8, 3)
+    eng = zj.Engine(model, adamw(), zj.make_mesh(data=4), zj.ZeroConfig(stage=stage))
+    state = eng.init(jax.random.key(0), batch)
+    state, _ = eng.step(state, batch)
+    want = float(model.loss(eng.params(state), batch, PlainUnits()))
+    np.testing.assert_allclose(float(eng.evaluate(state, batch)["loss"]), want, rtol=1e-6)

@@ -16,7 +16,7 @@ from zerojax.errors import ConfigError, ModelError
 from zerojax.mesh import batch_axes, check_batch, mesh_sizes, put_batch
 from zerojax.partition import Layout, LeafSpec
 from zerojax.precision import DTYPES, init_loss_scale
-from zerojax.step import StepPlan, TrainState, local_step, split_loss
+from zerojax.step import StepPlan, TrainState, local_eval, local_step, split_loss
 from zerojax.units import RecordingUnits, make_handles
 
 
@@ -50,7 +50,8 @@ class Engine:
         treedef = jax.tree.structure(params_abstract)
         avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for _, x in paths_avals]
         paths = [jax.tree_util.keystr(p) for p, _ in paths_avals]
-        flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)), treedef, 1, True)
+        flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)),
+                      treedef, 1, True)
         rec = RecordingUnits(avals, DTYPES[self.config.param_dtype])
         local = self.config.grad_accum * self.replica * self.data
 
@@ -78,6 +79,7 @@ class Engine:
         self.plan = StepPlan(self.model, self.optimizer, layout, self.config, self.axes,
                              self.replica, self.data)
         self._step_fn = None
+        self._eval_fn = None
 
     @property
     def layout(self) -> Layout:
@@ -133,7 +135,7 @@ class Engine:
                           init_loss_scale(cfg.initial_scale))
 
     def init(self, rng: jax.Array, batch) -> TrainState:
-        """Fresh state from `model.init(rng)`; `batch` (arrays or ShapeDtypeStructs) sets the units."""
+        """Fresh state from `model.init(rng)`; `batch` (arrays or ShapeDtypeStructs) sets units."""
         self._discover(jax.eval_shape(self.model.init, rng), batch)
         build = jax.jit(lambda r: self._to_state(self.model.init(r)),
                         out_shardings=self.state_shardings())
@@ -168,6 +170,17 @@ class Engine:
         self.layout  # noqa: B018 -- raises a clear error before init
         check_batch(batch, self.mesh, self.config.grad_accum, jax.process_count())
         return self._compiled_step()(state, put_batch(batch, self.mesh))
+
+    def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
+        """Mean loss (and the model's aux metrics) on `batch`, computed sharded like the step."""
+        self.layout  # noqa: B018 -- raises a clear error before init
+        check_batch(batch, self.mesh, 1, jax.process_count())
+        if self._eval_fn is None:
+            body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
+                                 in_specs=(self.state_specs(), P(self.axes)), out_specs=P(),
+                                 check_vma=True)
+            self._eval_fn = jax.jit(body)
+        return self._eval_fn(state, put_batch(batch, self.mesh))
 
     def lower(self, state=None, batch=None):
         """`jax.jit(...).lower` of the step, for abstract or concrete inputs."""

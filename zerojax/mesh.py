@@ -17,7 +17,7 @@ REPLICA = "replica"
 
 def make_mesh(data: int | None = None, replica: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of `replica × data` devices: axes `("replica", "data")`, or `("data",)` when replica=1.
+    """A mesh of `replica × data` devices: axes `("replica", "data")`, or `("data",)` if replica=1.
 
     ZeRO state is sharded over `data` and replicated over `replica` (hybrid sharding).
     `data=None` takes all devices. With fewer devices requested than exist, the first ones
@@ -109,18 +109,14 @@ def put_batch(batch, mesh: Mesh):
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
-    """Starts `jax.distributed` (explicitly, or auto-detected on SLURM / Open MPI)."""
+    """Starts `jax.distributed` (explicitly, or auto-detected on SLURM / Open MPI).
+
+    Must run before anything touches a jax backend. CPU processes exchange collectives over
+    gloo (only the CPU client reads that setting, so it is harmless on GPU).
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator is None and num_processes is None:
         jax.distributed.initialize()
     else:
-        if jax.default_backend() == "cpu" or not _has_accelerator():
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=num_processes,
                                    process_id=process_id)
-
-
-def _has_accelerator() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False

@@ -19,7 +19,7 @@ class Units(Protocol):
         ...
 
     def scan(self, body: Callable[[Any, PyTree], Any], carry: Any, stacked: PyTree) -> Any:
-        """Runs `body(carry, layer_params) -> carry` over `stacked` (layer axis 0), a unit per layer."""
+        """Runs `body(carry, layer_params) -> carry` over `stacked` (layer axis 0), a unit each."""
         ...
 
 

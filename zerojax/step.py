@@ -210,3 +210,16 @@ def _refresh(plan: StepPlan, master) -> Any:
         else:
             out.append(gather_unit(m, leaf))
     return layout.unflatten(out)
+
+
+def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
+    """Loss (and aux metrics) on this device's batch slice, without gradients or updates."""
+    stage = plan.config.stage
+    comp = compute_params(plan, state)
+    # No backward: stages 0-2 read their replicated params directly; stage 3 gathers units.
+    units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False)
+    loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
+    metrics = {"loss": lax.pmean(loss.astype(jnp.float32), plan.axes)}
+    for name, v in aux.items():
+        metrics[name] = lax.pmean(jnp.asarray(v, jnp.float32), plan.axes)
+    return metrics

@@ -257,19 +257,12 @@ def start_runtime(cfg: TrainConfig) -> None:
                                                                 "float32" else 2)
         apply_overlap_flags(combine_threshold_bytes=max(layer, DEFAULT_COMBINE_BYTES))
 
-    import jax
+
+    from zerojax.mesh import initialize_distributed
 
     multi = any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
     if cfg.coordinator is not None or multi:
-        # Only the CPU client reads this; GPUs use NCCL.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # Not zerojax.mesh.initialize_distributed: it asks for the default backend first,
-        # which starts it, and jax.distributed then refuses to initialize.
-        if cfg.coordinator is not None:
-            jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes,
-                                       process_id=cfg.process_id)
-        else:
-            jax.distributed.initialize()
+        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -374,10 +367,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     from zerojax.config import ZeroConfig
     from zerojax.data import TokenBatches
     from zerojax.engine import Engine
-    from zerojax.mesh import make_mesh, put_batch
+    from zerojax.mesh import make_mesh
     from zerojax.models import get_model
-    from zerojax.precision import DTYPES
-    from zerojax.units import PlainUnits
 
     t_start = time.perf_counter()
     pi, pc = jax.process_index(), jax.process_count()
@@ -390,11 +381,6 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     model = get_model(cfg.model)
     notes = []
     stage, prefetch = cfg.stage, cfg.prefetch
-    if len(devices) == cfg.replica and stage > 0:
-        # With one device per group every stage holds the same full state; the engine's
-        # stages 1-3 do not compile for a data axis of size 1.
-        notes.append(f"one device per replica group: stage {stage} runs as stage 0")
-        stage, prefetch = 0, False
     if cfg.xla_overlap and devices[0].platform != "gpu":
         notes.append(f"--xla-overlap: GPU flags, no effect on {devices[0].platform}")
     zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
@@ -432,12 +418,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
         + report.memory_rows(estimate, measured)
         + [("note", n) for n in notes], "zerojax train"))
 
-    units = PlainUnits(DTYPES[cfg.param_dtype])
-    eval_fn = jax.jit(lambda params, b: model.loss(params, b, units))
-
     def evaluate(state) -> float:
-        params = engine.params(state)
-        return float(np.mean([float(eval_fn(params, put_batch(b, mesh))) for b in evals]))
+        return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
 
     log = report.MetricsLog(out / "metrics.jsonl", start, enabled=lead)
     tokens_per_step = cfg.batch * cfg.seq_len

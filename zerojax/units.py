@@ -1,4 +1,4 @@
-"""`units.gather` / `units.scan` for each ZeRO stage: the only place stages differ in forward/backward."""
+"""`units.gather` / `units.scan` per ZeRO stage: the only place the stages differ in compute."""
 
 from __future__ import annotations
 
