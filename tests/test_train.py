@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerojax import train
+from zerojax import sample, train
 from zerojax.data import embedded_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, tmp_path, capsys, mon
 
 
 def test_sample_without_checkpoint_exits_2(tmp_path, capsys):
-    assert train.sample_main([str(tmp_path)]) == 2
+    assert sample.sample_main([str(tmp_path)]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 
 

@@ -9,7 +9,7 @@ import sys
 # returns an exit code.
 COMMANDS = {
     "train": ("zerojax.train", "main", "train a GPT preset on the embedded corpus or a file"),
-    "sample": ("zerojax.train", "sample_main", "generate text from a trained checkpoint"),
+    "sample": ("zerojax.sample", "sample_main", "generate text from a trained checkpoint"),
     "estimate": ("zerojax.planning", "estimate_main", "ZeRO paper memory/comm per device"),
     "measure": ("zerojax.planning", "measure_main", "memory/comm measured from compiled steps"),
     "plan": ("zerojax.planning", "plan_main", "the cheapest configuration that fits"),

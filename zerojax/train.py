@@ -1,4 +1,4 @@
-"""`python -m zerojax train` and `sample`: a GPT preset trained under ZeRO, end to end.
+"""`python -m zerojax train`: a GPT preset trained under ZeRO, end to end.
 
 Nothing here may start jax's backend before `start_runtime`: the simulated CPU device count,
 the XLA flags and `jax.distributed` must all be set first.
@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import tyro
@@ -505,97 +505,3 @@ def _agree(flag: bool, processes: int) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-
-
-# --------------------------------------------------------------------------------- sampling
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleConfig:
-    """Generate byte-level text from a checkpoint written by `python -m zerojax train`."""
-
-    checkpoint: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="CHECKPOINT")]
-    """The run directory (--out of train) or its checkpoints/ directory."""
-    prompt: str = "def "
-    """Text the generation continues."""
-    tokens: int = 200
-    """Bytes to generate."""
-    temperature: float = 0.8
-    """Sampling temperature; 0 picks the most likely byte."""
-    step: int | None = None
-    """Checkpoint step (default: the latest)."""
-    seed: int = 0
-    """Sampling seed."""
-
-
-def sample_main(argv: list[str] | None = None) -> int:
-    """`python -m zerojax sample CHECKPOINT [--prompt TEXT] ...`; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = tyro.cli(SampleConfig, args=argv, prog="python -m zerojax sample")
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
-    try:
-        text = sample(args)
-    except (UsageError, ZeroError, FileNotFoundError) as e:
-        print(f"zerojax sample: error: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write(text + "\n")
-    return 0
-
-
-def sample(args: SampleConfig) -> str:
-    """The prompt followed by `args.tokens` sampled bytes."""
-    directory = Path(args.checkpoint)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    if not checkpoint_steps(directory):
-        raise UsageError(f"no checkpoint in {str(directory)!r}; pass a train --out directory")
-    if args.tokens < 0 or args.temperature < 0:
-        raise UsageError("--tokens and --temperature must be non-negative")
-    import jax
-
-    from zerojax import checkpoint
-    from zerojax.engine import Engine
-    from zerojax.mesh import make_mesh
-    from zerojax.models import get_model
-
-    meta = checkpoint.read_metadata(directory, args.step)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    saved = meta.get("extra", {}).get("train_config")
-    if not saved:
-        raise UsageError(f"{str(directory)!r} was not written by `zerojax train` (no "
-                         f"train_config in its metadata)")
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    model = get_model(cfg.model)
-    engine = Engine(model, make_optimizer(cfg)[0], make_mesh(data=1, devices=jax.devices()[:1]))
-    params = jax.device_get(engine.params(engine.restore(directory, meta["step"])))
-    prompt = args.prompt.encode() or b"\n"
-    if max(prompt) >= model.cfg.vocab_size:
-        raise UsageError(f"the prompt has bytes >= preset {cfg.model!r}'s vocab_size "
-                         f"{model.cfg.vocab_size}")
-    out = generate(model, params, list(prompt), args.tokens, args.temperature, args.seed)
-    return bytes(out).decode("utf-8", errors="replace")
-
-
-def generate(model, params, tokens: list[int], n: int, temperature: float,
-             seed: int = 0) -> list[int]:
-    """`tokens` extended by `n` bytes sampled from `model` (window: its context length)."""
-    import jax
-
-    T = model.cfg.seq_len
-    vocab = min(model.cfg.vocab_size, 256)  # byte-level text: ids past 255 are not bytes
-    logits_at = jax.jit(lambda p, x_1xT, i: model.apply(p, x_1xT)[0, i, :vocab])
-    rng = np.random.default_rng(seed)
-    tokens = list(tokens)
-    for _ in range(n):
-        ctx = tokens[-T:]
-        x = np.zeros((1, T), np.int32)
-        x[0, :len(ctx)] = ctx  # causal: the zeros after the context do not change its logits
-        logits = np.asarray(logits_at(params, x, len(ctx) - 1), np.float64)
-        if temperature == 0:
-            tokens.append(int(np.argmax(logits)))
-            continue
-        p = np.exp((logits - logits.max()) / temperature)
-        tokens.append(int(rng.choice(vocab, p=p / p.sum())))
-    return tokens
