@@ -77,8 +77,12 @@ def test_config_targets_and_table(run):
         "test", 2, 4, "bfloat16")
     assert "--xla_force_host_platform_device_count=2" in cfg["xla_flags"]
     assert result["machine"]["platform"] == "cpu"
-    assert set(result["targets"]) == {"stage3_over_fsdp", "stage3_le_0.8x_fsdp",
-                                      "stages_123_spread", "stages_123_within_10pct"}
+    t = result["targets"]
+    assert set(t) == {"stage3_over_fsdp", "stage3_over_fsdp_paired", "stage3_over_fsdp_cpu",
+                      "stage3_le_0.8x_fsdp", "stages_123_spread", "stages_123_spread_paired",
+                      "stages_123_spread_cpu", "stages_123_within_10pct"}
+    assert t["stage3_over_fsdp"] == result["variants"]["stage3"]["ratio"]
+    assert t["stages_123_spread"] >= 0 and t["stages_123_spread_cpu"] >= 0
     assert "stage3" in stdout and "× fsdp" in stdout
 
 
