@@ -2,15 +2,17 @@
 simulated device count (XLA_FLAGS is set by the parent before Python starts).
 
   train   --stage S --data N --steps T [--restore DIR] [--save DIR --save-at K ...]
-          [--out FILE.npz] [--hang-at K --hang {write,finalize}]   (--out: params at the end,
-          or at K before the save that hangs)
-  big     DIR --leaves L --rows R --cols C        (a > 1 GB checkpoint of a plain model)
-  rss     CHECKPOINT OUT                           (export; prints peak RSS over baseline)
+          [--out FILE.npz]                     (--out: the final params)
+  resave  SRC DST --hang {write,finalize}      (prints HANG inside a save, for SIGKILL)
+  big     DIR --leaves L --rows R --cols C     (a > 1 GB checkpoint of a plain model)
+  rss     CHECKPOINT OUT                       (export; prints peak RSS over baseline)
 """
 
 import argparse
+import faulthandler
 import json
 import resource
+import signal
 import sys
 import time
 
@@ -55,22 +57,31 @@ def train(args) -> None:
         state = engine.restore(args.restore)
     else:
         state = engine.init(jax.random.key(0), batch(0))
-    def write_params():
-        flat = jax.tree.flatten_with_path(engine.params(state))[0]
-        np.savez(args.out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
-
     while True:
         step = int(state.step)
-        if step == args.hang_at:
-            write_params()  # what a resumed run must reproduce
-            _hang_in(args.hang)
-        if step in args.save_at or step == args.hang_at:
+        if step in args.save_at:
             engine.save(state, args.save, extra={"seed": 0, "batch": 24})
         if step >= args.steps:
             break
         state, _ = engine.step(state, batch(step))
     if args.out:
-        write_params()
+        flat = jax.tree.flatten_with_path(engine.params(state))[0]
+        np.savez(args.out, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
+
+
+def resave(args) -> None:
+    """Restores SRC, saves it to DST, then saves it again as step 8 and stops inside that save."""
+    import jax
+    from helpers import CLIP, adamw, tiny_gpt
+
+    import zerojax as zj
+
+    engine = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=jax.device_count()),
+                       zj.ZeroConfig(stage=3, clip_norm=CLIP))
+    state = engine.restore(args.src)
+    engine.save(state, args.dst)
+    _hang_in(args.hang)
+    engine.save(state, args.dst, step=8)
 
 
 class BigModel:
@@ -134,6 +145,7 @@ def rss(args) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # the parent asks for stacks when a run seems stuck
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
@@ -144,8 +156,10 @@ def main() -> None:
     t.add_argument("--save")
     t.add_argument("--save-at", type=int, nargs="*", default=[])
     t.add_argument("--out")
-    t.add_argument("--hang-at", type=int, default=-1)
-    t.add_argument("--hang", choices=["write", "finalize"], default="finalize")
+    v = sub.add_parser("resave")
+    v.add_argument("src")
+    v.add_argument("dst")
+    v.add_argument("--hang", choices=["write", "finalize"], required=True)
     b = sub.add_parser("big")
     b.add_argument("dir")
     b.add_argument("--leaves", type=int, required=True)
@@ -155,7 +169,7 @@ def main() -> None:
     r.add_argument("checkpoint")
     r.add_argument("out")
     args = p.parse_args()
-    {"train": train, "big": big, "rss": rss}[args.cmd](args)
+    {"train": train, "resave": resave, "big": big, "rss": rss}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def assert_bitwise(a, b):
 
 
 def worker(devices, *args, **popen):
+    """Runs tests/ckpt_worker.py in a process with `devices` simulated devices.
+
+    No shared persistent compilation cache: with one, the stage-3 step loaded from it
+    deadlocked now and then on a loaded machine (all-gather and reduce-scatter rendezvous).
+    """
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, str(WORKER), *map(str, args)]
@@ -71,13 +77,41 @@ def snapshot(directory):
                   for p in Path(directory).rglob("*"))
 
 
+def flat(params):
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree.flatten_with_path(params)[0]}
+
+
+@functools.cache
+def shared_engine(stage, n):
+    """One engine per config across tests: restoring the same units keeps its compiled step."""
+    return make_engine(stage, n)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The uninterrupted 10-step run at N = 8, stage 3, saved at steps 3 and 5."""
+    root = tmp_path_factory.mktemp("ref")
+    engine = shared_engine(3, 8)
+    state = engine.init(jax.random.key(0), batch(0))
+    losses = []
+    for s in range(10):
+        if s in (3, 5):
+            engine.save(state, root / f"at{s}", extra={"seed": 0, "data": "random"})
+        if s == 3:
+            params3 = jax.device_get(engine.params(state))
+        state, metrics = engine.step(state, batch(s))
+        losses.append(float(metrics["loss"]))
+    return types.SimpleNamespace(dir=root / "at3", dir5=root / "at5", params=params3,
+                                 loss=losses[3], params10=jax.device_get(engine.params(state)))
+
+
 # ---------------------------------------------------------------- resume
 
 
 @pytest.mark.parametrize("stage, cfg", [(0, {}),
                                         (1, {"param_dtype": "float16", "loss_scale_interval": 3}),
-                                        (2, {"param_dtype": "bfloat16"}),
-                                        (3, {})])
+                                        (2, {"param_dtype": "bfloat16"})])
 def test_resume_is_bitwise_exact(tmp_path, stage, cfg):
     """Save at 5, restore, run to 10 == the uninterrupted 10 steps (N = 3: every leaf padded)."""
     engine = make_engine(stage, 3, **cfg)
@@ -94,77 +128,83 @@ def test_resume_is_bitwise_exact(tmp_path, stage, cfg):
         assert float(scale.scale) > 2.0**15  # the scale grew, so its state was restored
 
 
+def test_resume_is_bitwise_exact_stage3(ref):
+    """The same for stage 3 (N = 8), against the module's reference run."""
+    engine = shared_engine(3, 8)
+    state = engine.restore(ref.dir5)
+    assert int(state.step) == 5
+    assert_bitwise(engine.params(run(engine, state, 5, 10)), ref.params10)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("src, dst", [((8, 3), (2, 1)), ((4, 2), (8, 0))])
-def test_restore_on_another_mesh_and_stage(tmp_path, src, dst):
+def test_restore_on_another_mesh_and_stage(ref, tmp_path, src, dst):
     """A checkpoint written at one (N, stage) continues at another, in a separate process."""
     (n0, s0), (n1, s1) = src, dst
-    d = tmp_path / "ckpt"
-    worker(n0, "train", "--stage", s0, "--data", n0, "--steps", 10, "--save", d,
-           "--save-at", 5, "--out", tmp_path / "a.npz")
+    if src == (8, 3):  # the reference run of this module
+        d, a = ref.dir5, flat(ref.params10)
+    else:
+        d = tmp_path / "ckpt"
+        worker(n0, "train", "--stage", s0, "--data", n0, "--steps", 10, "--save", d,
+               "--save-at", 5, "--out", tmp_path / "a.npz")
+        a = dict(np.load(tmp_path / "a.npz"))
     meta = ck.read_metadata(d)
     assert (meta["stage"], meta["mesh"]["data"], meta["step"]) == (s0, n0, 5)
     worker(n1, "train", "--stage", s1, "--data", n1, "--steps", 10, "--restore", d,
            "--out", tmp_path / "b.npz")
-    a, b = dict(np.load(tmp_path / "a.npz")), dict(np.load(tmp_path / "b.npz"))
+    b = dict(np.load(tmp_path / "b.npz"))
     assert set(a) == set(b) and len(a) == 17  # the "test" preset's leaves
     assert_tree_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-@functools.cache
-def shared_engine(stage, n):
-    """One engine per config across tests: restoring the same units keeps its compiled step."""
-    return make_engine(stage, n)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["write", "finalize"])
-def test_killed_save_leaves_previous_step(tmp_path, where):
-    """SIGKILL inside the save of step 8: step 5 restores and reproduces steps 5-8 bitwise."""
-    d, at8 = tmp_path / "ckpt", tmp_path / "at8.npz"
-    proc = worker(4, "train", "--stage", 3, "--data", 4, "--steps", 10, "--save", d,
-                  "--save-at", 5, "--hang-at", 8, "--hang", where, "--out", at8,
-                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+def test_killed_save_leaves_previous_step(ref, tmp_path, where):
+    """SIGKILL inside the save of step 8: step 5 restores, continues bitwise, 8 saves again."""
+    d, log = tmp_path / "ckpt", tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = worker(8, "resave", ref.dir5, d, "--hang", where, stdout=subprocess.PIPE,
+                      stderr=err)
     lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line.strip())
+        lines.put("EOF")
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        while lines.get(timeout=240).strip() != "HANG":
-            pass
+        line = ""
+        while line not in ("HANG", "EOF"):
+            try:
+                line = lines.get(timeout=240)
+            except queue.Empty:
+                proc.send_signal(signal.SIGUSR1)  # dump the stuck worker's stacks to the log
+                time.sleep(2)
+                break
+        assert line == "HANG", log.read_text()[-6000:]
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert any(p.name.startswith("8.") for p in d.iterdir()), "no incomplete step 8 left"
     assert ck.steps(d) == [5]
 
-    engine = shared_engine(3, 4)
+    engine = shared_engine(3, 8)
     state = engine.restore(d)
     assert int(state.step) == 5
     state = run(engine, state, 5, 8)
-    flat = jax.tree.flatten_with_path(engine.params(state))[0]
-    assert_bitwise({jax.tree_util.keystr(p): x for p, x in flat}, dict(np.load(at8)))
     engine.save(state, d)
     assert ck.steps(d) == [5, 8]
     assert not any(".orbax-checkpoint-tmp" in p.name for p in d.iterdir())
+    assert_bitwise(engine.params(run(engine, state, 8, 10)), ref.params10)
 
 
-# ---------------------------------------------------------------- one saved run, many checks
+# ---------------------------------------------------------------- the reference run's step 3
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Stage 3, N = 4, three steps, saved at step 3; plus the engine's loss on batch 3."""
-    d = tmp_path_factory.mktemp("saved") / "ckpt"
-    engine = shared_engine(3, 4)
-    state = run(engine, engine.init(jax.random.key(0), batch(0)), 0, 3)
-    engine.save(state, d, extra={"seed": 0, "data": "random"})
-    params = jax.device_get(engine.params(state))
-    _, metrics = engine.step(state, batch(3))
-    return types.SimpleNamespace(dir=d, params=params, loss=float(metrics["loss"]))
-
-
-def test_metadata_record(saved):
-    meta = ck.read_metadata(saved.dir)
-    assert (meta["step"], meta["stage"], meta["mesh"]) == (3, 3, {"replica": 1, "data": 4})
+def test_metadata_record(ref):
+    meta = ck.read_metadata(ref.dir)
+    assert (meta["step"], meta["stage"], meta["mesh"]) == (3, 3, {"replica": 1, "data": 8})
     assert meta["extra"] == {"seed": 0, "data": "random"}
     assert meta["zerojax_version"] == zj.__version__
     leaves = {d["path"]: d for d in meta["params"]}
@@ -175,9 +215,9 @@ def test_metadata_record(saved):
     assert len(meta["opt_state"]["leaves"]) == 1 + 2 * len(leaves)  # count, mu, nu
 
 
-def test_keep_last_k_and_async(saved, tmp_path):
+def test_keep_last_k_and_async(ref, tmp_path):
     engine = make_engine(1, 2)
-    state = engine.restore(saved.dir)  # a fresh engine: no batch, no init
+    state = engine.restore(ref.dir)  # a fresh engine: no batch, no init
     for step in (1, 2, 3, 4):
         engine.save(state, tmp_path, step=step, keep=2, wait=False)
     ck.wait_until_finished(tmp_path)
@@ -186,51 +226,51 @@ def test_keep_last_k_and_async(saved, tmp_path):
         engine.save(state, tmp_path, step=4)
     with pytest.raises(zj.CheckpointError, match="JSON"):
         engine.save(state, tmp_path, step=5, extra={"f": object()})
-    assert_bitwise(engine.params(engine.restore(tmp_path, step=3)), saved.params)
+    assert_bitwise(engine.params(engine.restore(tmp_path, step=3)), ref.params)
 
 
-def test_restore_onto_hybrid_mesh(saved):
+def test_restore_onto_hybrid_mesh(ref):
     engine = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=2, replica=2),
                        zj.ZeroConfig(stage=2, clip_norm=CLIP))
-    assert_bitwise(engine.params(engine.restore(saved.dir)), saved.params)
+    assert_bitwise(engine.params(engine.restore(ref.dir)), ref.params)
 
 
-def test_export_round_trip(saved, tmp_path):
+def test_export_round_trip(ref, tmp_path):
     """The export loads as plain Flax params: same values, same loss as the engine."""
     out = tmp_path / "params.safetensors"
-    assert ck.export_main([str(saved.dir), "--out", str(out)]) == 0
+    assert ck.export_main([str(ref.dir), "--out", str(out)]) == 0
     params = ck.load_exported(out)
-    assert_bitwise(params, saved.params)
+    assert_bitwise(params, ref.params)
     model = tiny_gpt()
     loss = model.loss(params, batch(3), PlainUnits())
-    np.testing.assert_allclose(float(loss), saved.loss, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref.loss, rtol=1e-5)
     assert model.apply(params, batch(3)["inputs"]).shape == (BATCH, 16, 64)
     from safetensors.numpy import load_file
     assert load_file(out)["blocks/attn/qkv/kernel"].shape == (2, 32, 96)
     engine = make_engine(1, 2)
-    assert_bitwise(engine.params(engine.init_from(params, batch(0))), saved.params)
+    assert_bitwise(engine.params(engine.init_from(params, batch(0))), ref.params)
 
 
 # ---------------------------------------------------------------- failures
 
 
-def test_missing_and_empty_directories(saved, tmp_path):
+def test_missing_and_empty_directories(ref, tmp_path):
     engine = make_engine(1, 2)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         engine.restore(tmp_path / "nope")
     with pytest.raises(zj.CheckpointError, match="no complete checkpoint"):
         engine.restore(tmp_path)
-    shutil.copytree(saved.dir / "3", tmp_path / "3.orbax-checkpoint-tmp-1234")
+    shutil.copytree(ref.dir / "3", tmp_path / "3.orbax-checkpoint-tmp-1234")
     with pytest.raises(zj.CheckpointError, match="incomplete saves: 3.orbax"):
         engine.restore(tmp_path)
     with pytest.raises(zj.CheckpointError, match=r"no complete step 7; complete steps: \[3\]"):
-        engine.restore(saved.dir, step=7)
+        engine.restore(ref.dir, step=7)
     assert engine.plan is None  # a failed restore leaves the engine as it was
 
 
-def _damaged(saved, tmp_path, how):
+def _damaged(ref, tmp_path, how):
     d = tmp_path / "ckpt"
-    shutil.copytree(saved.dir, d)
+    shutil.copytree(ref.dir, d)
     files = [p for p in (d / "3" / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
     assert files
     for f in files:  # every array data file, so the params are hit too
@@ -245,10 +285,10 @@ def _damaged(saved, tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_damaged_file(saved, tmp_path, how):
-    d = _damaged(saved, tmp_path, how)
+def test_damaged_file(ref, tmp_path, how):
+    d = _damaged(ref, tmp_path, how)
     before = snapshot(d)
-    engine = make_engine(3, 4)
+    engine = make_engine(3, 8)
     with pytest.raises(zj.CheckpointError, match="step 3 of"):
         engine.restore(d)
     assert engine.plan is None and snapshot(d) == before  # nothing written
@@ -257,18 +297,18 @@ def test_damaged_file(saved, tmp_path, how):
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_corrupted_metadata(saved, tmp_path):
+def test_corrupted_metadata(ref, tmp_path):
     d = tmp_path / "ckpt"
-    shutil.copytree(saved.dir, d)
+    shutil.copytree(ref.dir, d)
     (d / "3" / "meta" / "metadata").write_text('{"format": "zerojax-checkp')
     with pytest.raises(zj.CheckpointError, match=r"metadata .*3/meta of step 3"):
         ck.read_metadata(d)
 
 
-def test_checksum_names_the_corrupted_leaf(saved, tmp_path):
+def test_checksum_names_the_corrupted_leaf(ref, tmp_path):
     """Damage no decoder notices (valid data, other values) is caught by the record's checksums."""
     d = tmp_path / "ckpt"
-    shutil.copytree(saved.dir, d)
+    shutil.copytree(ref.dir, d)
     record = d / "3" / "meta" / "metadata"
     meta = json.loads(record.read_text())
     meta["params"][1]["checksum"] ^= 1
@@ -279,11 +319,11 @@ def test_checksum_names_the_corrupted_leaf(saved, tmp_path):
     assert ck.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
 
 
-def test_other_model_names_leaves_and_shapes(saved):
+def test_other_model_names_leaves_and_shapes(ref):
     other = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2,
                           d_ff=128))
     with pytest.raises(zj.CheckpointError) as e:
-        make_engine(1, 2, model=other).restore(saved.dir)
+        make_engine(1, 2, model=other).restore(ref.dir)
     msg = str(e.value)
     assert "another model" in msg
     assert "['blocks']['mlp']['fc']['kernel']: checkpoint float32(2, 32, 64), expected " \
@@ -296,13 +336,13 @@ class Bf16GPT(GPT):
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16), super().init(rng))
 
 
-def test_other_dtype(saved):
+def test_other_dtype(ref):
     with pytest.raises(zj.CheckpointError, match=r"\['out'\]\['bias'\]: checkpoint "
                                                  r"float32\(2, 32\), expected bfloat16\(2, 32\)"):
-        make_engine(1, 2, model=Bf16GPT(tiny_gpt().cfg)).restore(saved.dir)
+        make_engine(1, 2, model=Bf16GPT(tiny_gpt().cfg)).restore(ref.dir)
     opt = optax.adamw(1e-3, mu_dtype=jnp.bfloat16)
     with pytest.raises(zj.CheckpointError, match="another optimizer state.*bfloat16"):
-        make_engine(1, 2, optimizer=opt).restore(saved.dir)
+        make_engine(1, 2, optimizer=opt).restore(ref.dir)
 
 
 def test_export_bad_input_is_one_line(tmp_path, capsys):
