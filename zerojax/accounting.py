@@ -417,7 +417,11 @@ def measure(engine, batch) -> Measurement:
     `batch`: the global batch as arrays or `jax.ShapeDtypeStruct`s. The engine learns its
     units from it if it has not been initialized.
     """
-    lowered = lower(engine, batch)
+    return measure_lowered(engine, lower(engine, batch))
+
+
+def measure_lowered(engine, lowered) -> Measurement:
+    """`measure` for a step already lowered with `lower(engine, batch)`."""
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
     n_all = engine.replica * engine.data

@@ -73,7 +73,8 @@ class PlanResult:
                              "param_dtype": self.param_dtype, **overrides})
 
     def refit(self, device_memory: int) -> PlanResult:
-        """The same candidates chosen among for another memory budget (nothing recompiled)."""
+        """The same candidates chosen among for another memory budget (nothing recompiled;
+        candidates that were not compiled stay rejected)."""
         cands = [dataclasses.replace(c) for c in self.candidates]
         return _choose(PlanResult(self.devices, device_memory, cands,
                                   param_dtype=self.param_dtype))
@@ -98,7 +99,7 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     import jax
     import optax
 
-    from zerojax.accounting import _collectives, lower, measure, state_bytes
+    from zerojax.accounting import _collectives, lower, measure_lowered, state_bytes
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import BatchError
@@ -127,7 +128,7 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
             c.reason = (f"model state alone is {format_bytes(c.state_bytes)} > "
                         f"{format_bytes(device_memory)} (not compiled)")
             continue
-        m = c.measurement = measure(engine, batch)
+        m = c.measurement = measure_lowered(engine, lowered)
         c.peak_bytes, c.comm_bytes = m.peak_bytes, m.collective_bytes["total"]
         c.launches = m.collective_launches
     return _choose(PlanResult(devices, int(device_memory), cands, param_dtype=param_dtype))
@@ -152,7 +153,7 @@ def _choose(result: PlanResult) -> PlanResult:
     for c in fitting:
         if c is best:
             continue
-        if c in tied:
+        if any(c is t for t in tied):
             c.reason = "fits; same traffic, but more recompute, collectives or memory"
         else:
             c.reason = (f"fits; sends {format_bytes(c.comm_bytes)} vs "
