@@ -251,6 +251,17 @@ def test_export_round_trip(ref, tmp_path):
     assert_bitwise(engine.params(engine.init_from(params, batch(0))), ref.params)
 
 
+def test_export_of_other_chunkings(ref, tmp_path):
+    """Saved at N = 3, leaves are chunked on later axes or not at all; the export is the same."""
+    engine = make_engine(1, 3)
+    engine.save(engine.restore(ref.dir), tmp_path / "n3")
+    layout = ck._abstract(engine, engine.layout)["params"]
+    specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(layout)}
+    assert {(), (None, None, "data")} <= specs  # whole leaves, and leaves split on axis 2
+    ck.export(tmp_path / "n3", tmp_path / "p.safetensors")
+    assert_bitwise(ck.load_exported(tmp_path / "p.safetensors"), ref.params)
+
+
 # ---------------------------------------------------------------- failures
 
 

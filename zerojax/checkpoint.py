@@ -139,9 +139,12 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     """Saves `state` in the logical layout as step `step` (default: `state.step`); returns it.
 
     `keep`: keep only the most recent `keep` steps (default `KEEP`). `wait=False` returns once
-    the arrays are copied off the devices; `wait_until_finished` blocks on the write.
+    the arrays are copied (so `state` may be stepped and donated at once);
+    `wait_until_finished` blocks on the write.
     `extra`: a JSON-serializable dict (e.g. seed, data config) returned by `read_metadata`.
     """
+    import zerojax
+
     path, keep = _dir(directory), KEEP if keep is None else keep
     step = int(jax.device_get(state.step)) if step is None else int(step)
     try:
@@ -165,7 +168,7 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     n_params = len(layout.leaves)
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
-            "zerojax_version": _version(), "step": step, "stage": cfg.stage,
+            "zerojax_version": zerojax.__version__, "step": step, "stage": cfg.stage,
             "mesh": {"replica": engine.replica, "data": engine.data},
             "param_dtype": cfg.param_dtype, "dynamic_loss_scale": cfg.dynamic_scale,
             "params": [dict(d, stacked=leaf.stacked, dtype=jnp.dtype(m.dtype).name)
@@ -194,11 +197,6 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
 def _why(e: Exception) -> str:
     """One line about a read error (tensorstore appends its whole spec in JSON)."""
     return f"{type(e).__name__}: {str(e).split(' [tensorstore_spec=')[0]}".splitlines()[0]
-
-
-def _version() -> str:
-    import zerojax
-    return zerojax.__version__
 
 
 def _open(directory, step: int | None):
@@ -392,12 +390,12 @@ def _write_leaf(f, t, pos: int, shape: tuple[int, ...]) -> int:
         x = np.ascontiguousarray(t[box].read().result(), dtype=np.float32)
         total = (total + _np_checksum(x)) % 2**32
         if not split:
-            os.pwrite(f.fileno(), memoryview(x).cast("B"), pos)
+            os.pwrite(f.fileno(), memoryview(x.reshape(-1)).cast("B"), pos)
             continue
         j, a = split
         for idx in np.ndindex(*shape[:j]):  # leading axes are whole: one write per index
             flat = sum(i * r for i, r in zip(idx, row, strict=False)) + a * row[j]
-            os.pwrite(f.fileno(), memoryview(x[idx]).cast("B"), pos + 4 * flat)
+            os.pwrite(f.fileno(), memoryview(x[idx].reshape(-1)).cast("B"), pos + 4 * flat)
     return total
 
 
