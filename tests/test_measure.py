@@ -174,6 +174,7 @@ def test_collective_bytes_of_nested_loops_and_async_pairs():
 
 # --- the command line on a 7B model and 64 simulated devices -------------------------------
 
+@pytest.mark.slow
 def test_measure_cli_7b_on_64_devices():
     # Stages 0 and 3 only (the two that answer "does it fit in 80 GB"); stages 1-2 add ~15 s.
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
