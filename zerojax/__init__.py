@@ -4,13 +4,16 @@ from zerojax.accounting import (
     CommEstimate,
     EstimateError,
     MemoryEstimate,
+    Measurement,
     comm_estimate,
     estimate,
+    measure,
 )
 from zerojax.config import ZeroConfig
 from zerojax.engine import Engine
 from zerojax.errors import BatchError, CheckpointError, ConfigError, MeshError, ModelError
 from zerojax.mesh import initialize_distributed, make_mesh
+from zerojax.planning import PlanResult, plan
 from zerojax.protocol import Model, Units
 from zerojax.step import TrainState
 
@@ -23,10 +26,12 @@ __all__ = [
     "ConfigError",
     "Engine",
     "EstimateError",
+    "Measurement",
     "MemoryEstimate",
     "MeshError",
     "Model",
     "ModelError",
+    "PlanResult",
     "TrainState",
     "Units",
     "ZeroConfig",
@@ -34,4 +39,6 @@ __all__ = [
     "estimate",
     "initialize_distributed",
     "make_mesh",
+    "measure",
+    "plan",
 ]
