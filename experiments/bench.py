@@ -485,7 +485,9 @@ def main(argv=None) -> dict:
                    "devices": n, "batch": batch_size, "seq_len": c.seq_len,
                    "num_params": model.num_params(), "flops_per_token": model.flops_per_token(),
                    "peak_flops": peak, "overlap_flags": overlap_flags,
-                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:]},
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                   "optimization_level": str(jax.config.jax_optimization_level),
+                   "argv": sys.argv[1:]},
         "machine": info, "baseline": BASELINE, "variants": res, "targets": targets(res),
     }
     if args.json is None or args.json != "-":
