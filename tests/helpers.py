@@ -39,21 +39,25 @@ def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
     def step(params, state, batch):
         loss, g = jax.value_and_grad(lambda p: model.loss(p, batch, PlainUnits()))(params)
         updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state, loss
+        return optax.apply_updates(params, updates), state, loss, optax.global_norm(g)
 
-    losses = []
+    losses, norms = [], []
     for b in batches:
-        params, state, loss = step(params, state, b)
+        params, state, loss, norm = step(params, state, b)
         losses.append(float(loss))
+        norms.append(float(norm))
+    reference_run.norms = np.array(norms)  # grad norms of the last run, before clipping
     return np.array(losses), params
 
 
 def engine_run(engine, batches, rng=0):
     state = engine.init(jax.random.key(rng), batches[0])
-    losses = []
+    losses, norms = [], []
     for b in batches:
         state, m = engine.step(state, b)
         losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    engine_run.norms = np.array(norms)
     return np.array(losses), engine.params(state), state
 
 
