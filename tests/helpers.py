@@ -1,5 +1,7 @@
 """Shared test helpers: a single-device optax reference and GPT batches."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -89,3 +91,30 @@ def tiny_gpt():
     return GPT.from_preset("test")
 
 
+
+
+# The parity set-up shared by test_parity.py and test_engine.py.
+GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4, 8 and by 2 x 4 x ... (hybrid)
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@functools.cache
+def reference(batch, steps=STEPS):
+    model = tiny_gpt()
+    batches = [gpt_batch(model.cfg, batch, s) for s in range(steps)]
+    out = reference_run(model, adamw(), batches)
+    return batches, out, reference_run.norms
+
+
+def check_parity(engine, batch=GLOBAL_BATCH):
+    batches, (ref_losses, ref_params), ref_norms = reference(batch)
+    losses, params, _ = engine_run(engine, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    # The reported norm is the true global one (all shards, no padding), before clipping.
+    np.testing.assert_allclose(engine_run.norms, ref_norms, rtol=1e-4)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=ATOL)
+    return losses
+
+
+VARIANTS = {"0": {"stage": 0}, "1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3},
+            "3-prefetch": {"stage": 3, "prefetch": True}}
