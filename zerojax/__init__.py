@@ -3,8 +3,8 @@
 from zerojax.accounting import (
     CommEstimate,
     EstimateError,
-    MemoryEstimate,
     Measurement,
+    MemoryEstimate,
     comm_estimate,
     estimate,
     measure,
