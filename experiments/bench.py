@@ -41,7 +41,7 @@ from zerojax.units import PlainUnits
 
 BASELINE = "gspmd_fsdp"
 HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
-FLOOR = "floor"  # plain optax on one device and its batch share (× N on CPU)
+FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 WARMUP_STEPS = 2  # after the compiling call
 # Dense bf16 tensor-core peaks (FLOP/s), matched against `device_kind`; --peak-flops overrides.
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}
@@ -113,7 +113,6 @@ class Variant:
     cpu: list = field(default_factory=list)  # process CPU seconds per step: work, not waiting
     compile_s: float = 0.0
     loss: float = float("nan")
-    scale: int = 1  # reported times are measured × scale (the floor: N devices run serially)
 
 
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False) -> Variant:
@@ -188,15 +187,27 @@ def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
     return Variant(name, step, state, batch, lambda: step.lower(state, batch))
 
 
-def floor_variant(model, args, host_batch, n: int) -> Variant:
-    """One device's plain step on its 1/N of the batch: the model work of any N-device step.
+def floor_variant(model, mesh, args, host_batch) -> Variant:
+    """The work of any N-device step without its communication: N independent replicas, each
+    training its own copy (plain optax, same units) on its slice of the batch."""
+    tx = optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(3e-4))
+    units = PlainUnits(DTYPES[args.param_dtype], args.remat)
+    n, spec = mesh.shape[DATA], NamedSharding(mesh, P(DATA))
 
-    Simulated CPU devices share the cores, so there the floor is N such steps in a row.
-    """
-    share = jax.tree.map(lambda x: x[: x.shape[0] // n], host_batch)
-    v = optax_variant(FLOOR, model, None, args, share)
-    v.scale = n if jax.devices()[0].platform == "cpu" else 1
-    return v
+    def local(state, batch):  # per device: state leaves [1, ...], batch [B/N, T]
+        params, opt_state = jax.tree.map(lambda x: x[0], state)
+        loss, g = jax.value_and_grad(lambda p: model.loss(p, batch, units))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        new = (optax.apply_updates(params, updates), opt_state)
+        return jax.tree.map(lambda x: x[None], new), {"loss": loss[None]}
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(DATA), P(DATA)),
+                                 out_specs=(P(DATA), P(DATA))), donate_argnums=0)
+    params = model.init(jax.random.key(0))
+    state = jax.device_put(jax.tree.map(lambda x: np.broadcast_to(x, (n, *np.shape(x))),
+                                        (params, tx.init(params))), spec)
+    batch = jax.device_put(host_batch, spec)
+    return Variant(FLOOR, step, state, batch, lambda: step.lower(state, batch))
 
 
 def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], dict[str, str]]:
@@ -214,7 +225,7 @@ def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], d
         makers["optax_single"] = lambda: optax_variant("optax_single", model, None, args,
                                                        host_batch)
     else:
-        makers[FLOOR] = lambda: floor_variant(model, args, host_batch, n)
+        makers[FLOOR] = lambda: floor_variant(model, mesh, args, host_batch)
     wanted = set(args.variants or makers) | {BASELINE}
     unknown = wanted - set(makers)
     if unknown:
@@ -262,9 +273,9 @@ def time_interleaved(variants: dict[str, Variant], repeats: int, steps: int) -> 
             for _ in range(steps):
                 v.state, m = v.step(v.state, v.batch)
             jax.block_until_ready((v.state, m))
-            v.times.append((time.perf_counter() - t0) / steps * v.scale)
-            v.cpu.append((time.process_time() - c0) / steps * v.scale)
-            v.loss = float(m["loss"])
+            v.times.append((time.perf_counter() - t0) / steps)
+            v.cpu.append((time.process_time() - c0) / steps)
+            v.loss = float(np.mean(m["loss"]))
         log(f"repeat {r + 1}/{repeats}: " + " ".join(
             f"{n}={variants[n].times[-1] * 1e3:.0f}ms" for n in names))
 
