@@ -41,7 +41,7 @@ def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
     def step(params, state, batch):
         loss, g = jax.value_and_grad(lambda p: model.loss(p, batch, PlainUnits()))(params)
         updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state, loss, optax.global_norm(g)
+        return optax.apply_updates(params, updates), state, loss, optax.tree.norm(g)
 
     losses, norms = [], []
     for b in batches:
