@@ -43,6 +43,7 @@ BASELINE = "gspmd_fsdp"
 HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
 FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 WARMUP_STEPS = 2  # after the compiling call
+LR = 3e-4
 # Dense bf16 tensor-core peaks (FLOP/s), matched against `device_kind`; --peak-flops overrides.
 PEAK_BF16 = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}
 
@@ -118,10 +119,15 @@ class Variant:
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False) -> Variant:
     cfg = zj.ZeroConfig(stage=stage, param_dtype=args.param_dtype, clip_norm=args.clip_norm,
                         remat=args.remat, prefetch=prefetch)
-    engine = zj.Engine(model, optax.adamw(3e-4), mesh, cfg)
+    engine = zj.Engine(model, optax.adamw(LR), mesh, cfg)
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)
     return Variant(name, engine.step, state, batch, lambda: engine.lower(None, batch))
+
+
+def plain_tx(args) -> optax.GradientTransformation:
+    """The engine's optimizer plus the clipping the engine does itself."""
+    return optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(LR))
 
 
 def fsdp_spec(shape, n: int, first: int = 0) -> P:
@@ -150,7 +156,7 @@ class HintedUnits(PlainUnits):
 
 def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
     """Plain jax + optax; with a mesh, GSPMD FSDP (annotations only, XLA picks collectives)."""
-    tx = optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(3e-4))
+    tx = plain_tx(args)
     dtype = DTYPES[args.param_dtype]
     units = HintedUnits(dtype, args.remat, mesh) if hinted else PlainUnits(dtype, args.remat)
     rng = jax.random.key(0)
@@ -190,7 +196,7 @@ def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
 def floor_variant(model, mesh, args, host_batch) -> Variant:
     """The work of any N-device step without its communication: N independent replicas, each
     training its own copy (plain optax, same units) on its slice of the batch."""
-    tx = optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(3e-4))
+    tx = plain_tx(args)
     units = PlainUnits(DTYPES[args.param_dtype], args.remat)
     n, spec = mesh.shape[DATA], NamedSharding(mesh, P(DATA))
 
