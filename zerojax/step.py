@@ -22,6 +22,7 @@ import optax
 from jax import lax
 
 from zerojax.config import ZeroConfig
+from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad, unpad_unit
 from zerojax.precision import DTYPES, LossScale, update_loss_scale
@@ -68,7 +69,6 @@ def split_loss(out):
     """`loss` or `(loss, aux)` -> `(loss, aux)`, with a clear error for anything else."""
     loss, aux = out if isinstance(out, tuple) else (out, {})
     if not hasattr(loss, "shape") or loss.shape != ():
-        from zerojax.errors import ModelError
         raise ModelError(f"Model.loss must return a scalar loss (or (loss, aux)); got "
                          f"{getattr(loss, 'shape', type(loss))}")
     return loss, aux
