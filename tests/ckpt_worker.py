@@ -23,17 +23,25 @@ import zerojax  # noqa: F401 -- the RSS baseline is taken right after this impor
 BASELINE_RSS = psutil.Process().memory_info().rss
 
 
-def _hang_in(where: str) -> None:
-    """Makes the next save stop forever at `where`, announcing it, so the parent can kill it."""
+def _hang_in(where: str, dst: str) -> None:
+    """Makes the next save stop forever at `where`, announcing it, so the parent can kill it.
+
+    orbax creates the step's temporary directory in the background, so the announcement waits
+    until that directory exists: the kill must find a half-written step on disk.
+    """
+    import asyncio
+    import pathlib
+
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
     from orbax.checkpoint._src.path import atomicity
 
-    def hang(*args, **kwargs):
-        print("HANG", flush=True)
-        time.sleep(3600)
-
     async def hang_async(*args, **kwargs):
-        hang()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                p.name.startswith("8.") for p in pathlib.Path(dst).iterdir()):
+            await asyncio.sleep(0.05)  # lets the directory creation run, wherever it runs
+        print("HANG", flush=True)
+        await asyncio.sleep(3600)
 
     if where == "write":  # the "meta" item: the arrays are being or have been written
         json_checkpoint_handler.JsonCheckpointHandler.async_save = hang_async
@@ -80,7 +88,7 @@ def resave(args) -> None:
                        zj.ZeroConfig(stage=3, clip_norm=CLIP))
     state = engine.restore(args.src)
     engine.save(state, args.dst)
-    _hang_in(args.hang)
+    _hang_in(args.hang, args.dst)
     engine.save(state, args.dst, step=8)
 
 
