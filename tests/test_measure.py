@@ -101,9 +101,15 @@ def test_stages_share_traffic_and_shrink_memory(measured):
     assert sent[3] / sent[0] == pytest.approx(1.5, rel=0.02)
     peak = [measured[s].peak_bytes for s in range(4)]
     assert peak[0] > peak[1] > peak[2] > peak[3]
-    # Stages 1-3 launch more, smaller collectives (per leaf, then per layer).
+    # A layer's leaves travel as one collective: stage 3 gathers each layer twice (forward,
+    # rematerialized backward) and reduce-scatters it once; stage 2 reduce-scatters it in the
+    # backward and gathers it in the refresh. A few launches more serve the unscanned leaves
+    # and the scalars. One collective per leaf would be 12 times as many per layer.
     launches = [measured[s].collective_launches for s in range(4)]
-    assert launches[0] < launches[1] < launches[2] < launches[3]
+    layers = GPT.from_preset(PRESET).cfg.n_layers
+    assert 3 * layers <= launches[3] < 4 * layers, launches
+    assert 2 * layers <= launches[2] < 3 * layers, launches
+    assert launches[0] < launches[1], launches  # stage 1 adds the refresh's gathers
 
 
 def test_json_round_trip(measured):

@@ -14,6 +14,7 @@ With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -24,9 +25,9 @@ from jax import lax
 from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
-from zerojax.partition import Layout, pad_flat, unpad, unpad_unit
+from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, LossScale, update_loss_scale
-from zerojax.units import ShardUnits, _barrier, make_handles
+from zerojax.units import ShardUnits, gather_units, make_handles
 
 
 class TrainState(NamedTuple):
@@ -197,18 +198,23 @@ def _refresh(plan: StepPlan, master) -> Any:
     if plan.config.stage == 3:
         return layout.unflatten(m.astype(dtype) for m in masters)
 
-    def gather_unit(shard, leaf):
-        shard = _barrier(shard.astype(dtype))  # gather in compute dtype, not fp32
-        full = lax.all_gather(shard, DATA, axis=0, tiled=True, to="invarying")  # [k] -> [N·k]
-        return unpad_unit(full, leaf)
+    # One all_gather per layer for all stacked leaves, one for the rest; layer by layer, so
+    # each gathered layer lands in the [L, ...] outputs.
+    stacked = [i for i, leaf in enumerate(layout.leaves) if leaf.stacked]
+    flat = [i for i, leaf in enumerate(layout.leaves) if not leaf.stacked]
+    out = [None] * len(masters)
 
-    out = []
-    for m, leaf in zip(masters, layout.leaves):
-        if leaf.stacked:
-            # Layer by layer, so each gathered layer lands contiguously in the [L, ...] output.
-            out.append(lax.map(lambda s, leaf=leaf: gather_unit(s, leaf), m))
-        else:
-            out.append(gather_unit(m, leaf))
+    def gather(idx, shards):
+        # Gathered in compute dtype, not fp32; replicated ("invarying") as the state says.
+        return gather_units(shards, [layout.leaves[i] for i in idx], plan.data, dtype,
+                            replicated=True)
+
+    if stacked:
+        for i, v in zip(stacked, lax.map(partial(gather, stacked), [masters[i] for i in stacked])):
+            out[i] = v
+    if flat:
+        for i, v in zip(flat, gather(flat, [masters[i] for i in flat])):
+            out[i] = v
     return layout.unflatten(out)
 
 

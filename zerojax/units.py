@@ -145,36 +145,72 @@ class ShardUnits:
         self.remat = remat
         self.prefetch = prefetch
 
-    def _unit(self, i, arg, full):
-        """One leaf's unit value (logical unit shape, compute dtype) from its local pieces."""
-        leaf = self.layout.leaves[i]
+    def _units(self, idx, args, fulls):
+        """Several leaves' unit values (logical unit shape, compute dtype) from their local
+        pieces, with one collective for all of them: an all_gather (stage 3) forward, a
+        reduce-scatter (stages 2, 3) backward."""
+        leaves = tuple(self.layout.leaves[i] for i in idx)
         if self.stage <= 1:
-            return arg.astype(self.dtype)
+            return [a.astype(self.dtype) for a in args]
         if self.stage == 2:
-            return _view(full, arg, leaf, self.layout.shards)
-        return unpad_unit(_gather(arg, self.dtype), leaf)
+            return list(_view(tuple(fulls), tuple(args), leaves, self.layout.shards))
+        flat = args[0] if len(args) == 1 else jnp.concatenate(args)
+        return split_units(_gather(flat, self.dtype), leaves, self.layout.shards)
 
     def gather(self, subtree):
         hs = _handles(subtree, "gather")
-        vals = [self._unit(h.index, self.args[h.index],
-                           None if self.full is None else self.full[h.index]) for h in hs]
-        return _rebuild(subtree, vals)
+        idx = [h.index for h in hs]
+        fulls = None if self.full is None else [self.full[i] for i in idx]
+        return _rebuild(subtree, self._units(idx, [self.args[i] for i in idx], fulls))
 
     def scan(self, body, carry, stacked):
         hs = _handles(stacked, "scan")
         idx = [h.index for h in hs]
         xs = [self.args[i] for i in idx]
-        fulls = [None] * len(idx) if self.full is None else [self.full[i] for i in idx]
+        fulls = None if self.full is None else [self.full[i] for i in idx]
         if self.stage == 3 and self.prefetch:
             return _prefetch_scan(self, body, carry, stacked, idx)
 
         def step(c, layer):
             args_l, fulls_l = layer
-            vals = [_barrier(self._unit(i, a, f)) for i, a, f in zip(idx, args_l, fulls_l)]
-            return body(c, _rebuild(stacked, vals)), None
+            return body(c, _rebuild(stacked, _barrier(self._units(idx, args_l, fulls_l)))), None
 
         step = _remat(step, self.remat, self.stage)
         return lax.scan(step, carry, (xs, fulls))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets: a unit's leaves travel as one collective. Each device's shards of the unit are
+# concatenated ([k_1 + … + k_m] = [K]); all_gather gives [N·K], read as [N, K] and split along
+# K into each leaf's [N, k_i] = its padded [N·k_i]. One collective per unit instead of one per
+# leaf: fewer, larger messages (291 -> 35 per step on an 8-layer GPT).
+
+
+def split_units(gathered, leaves, shards):
+    """A gathered bucket `[N·K]` -> each leaf's logical unit value."""
+    if len(leaves) == 1:
+        return [unpad_unit(gathered, leaves[0])]
+    ks = [-(-leaf.size // shards) for leaf in leaves]
+    pieces = lax.split(gathered.reshape(shards, sum(ks)), ks, axis=1)
+    return [unpad_unit(p.reshape(-1), leaf) for p, leaf in zip(pieces, leaves)]
+
+
+def gather_units(shards, leaves, n, dtype, replicated=False):
+    """Several leaves' `[k_i]` shards -> their logical unit values, with one all_gather in
+    `dtype` (`replicated`: typed invariant over "data", as replicated state must be)."""
+    shards = [s.astype(dtype) for s in shards]
+    flat = _barrier(jnp.concatenate(shards) if len(shards) > 1 else shards[0])
+    kw = {"to": "invarying"} if replicated else {}
+    return split_units(lax.all_gather(flat, DATA, axis=0, tiled=True, **kw), leaves, n)
+
+
+def reduce_scatter_units(cts, leaves, n, dtype):
+    """Several leaves' unit cotangents -> this device's `[k_i]` shard of each one's sum over
+    "data", with one reduce-scatter."""
+    padded = [pad_unit(ct, leaf, n).astype(dtype).reshape(n, -1) for ct, leaf in zip(cts, leaves)]
+    flat = (jnp.concatenate(padded, axis=1) if len(padded) > 1 else padded[0]).reshape(-1)
+    g = lax.psum_scatter(flat, DATA, scatter_dimension=0, tiled=True)  # [N·K] {U} -> [K]
+    return lax.split(g, [p.shape[1] for p in padded]) if len(padded) > 1 else [g]
 
 
 def _barrier(x):
@@ -182,22 +218,20 @@ def _barrier(x):
     return lax.optimization_barrier(x)
 
 
-# Stage 2's view: forward is the replicated weight; backward reduce-scatters the cotangent
-# onto the shard-shaped stand-in, so the full gradient of a unit is never kept.
+# Stage 2's view: forward is the replicated weights; backward reduce-scatters the cotangents
+# onto the shard-shaped stand-ins, so the full gradient of a unit is never kept.
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _view(full, standin, leaf, shards):
-    del standin
-    return full
+def _view(fulls, standins, leaves, shards):
+    del standins
+    return fulls
 
 
-def _view_fwd(full, standin, leaf, shards):
-    return full, jnp.zeros((), standin.dtype)
+def _view_fwd(fulls, standins, leaves, shards):
+    return fulls, tuple(jnp.zeros((), s.dtype) for s in standins)
 
 
-def _view_bwd(leaf, shards, token, ct):
-    g = pad_unit(ct, leaf, shards).astype(token.dtype)
-    g = lax.psum_scatter(g, DATA, scatter_dimension=0, tiled=True)  # [N·k] {U_data} -> [k]
-    return None, g
+def _view_bwd(leaves, shards, tokens, cts):
+    return None, tuple(reduce_scatter_units(cts, leaves, shards, tokens[0].dtype))
 
 
 _view.defvjp(_view_fwd, _view_bwd)
@@ -235,9 +269,8 @@ def _prefetch_scan(units, body, carry, stacked, idx):
     length = xs[0].shape[0]
 
     def gather_layer(xs, i):
-        return [unpad_unit(lax.all_gather(lax.dynamic_index_in_dim(x, i, 0, False).astype(dtype),
-                                          DATA, axis=0, tiled=True), leaf)
-                for x, leaf in zip(xs, leaves)]
+        return gather_units([lax.dynamic_index_in_dim(x, i, 0, False) for x in xs], leaves,
+                            layout.shards, dtype)
 
     def layer_fn(c, ws):
         return body(c, _rebuild(stacked, ws))
@@ -275,9 +308,7 @@ def _prefetch_scan(units, body, carry, stacked, idx):
             c_in = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), cs)
             _, vjp = jax.vjp(lambda c, w, k: fn(c, w, *k), c_in, ws, consts)
             ct, ct_ws, ct_ki = vjp(ct)
-            g = [lax.psum_scatter(pad_unit(w, leaf, layout.shards).astype(x.dtype), DATA,
-                                  scatter_dimension=0, tiled=True)  # [N·k] -> [k]
-                 for w, leaf, x in zip(ct_ws, leaves, xs)]
+            g = reduce_scatter_units(ct_ws, leaves, layout.shards, xs[0].dtype)
             return (ct, ws_prev, jax.tree.map(jnp.add, ct_k, ct_ki)), g
 
         init = (ct, gather_layer(xs, length - 1), jax.tree.map(jnp.zeros_like, consts))
