@@ -33,9 +33,7 @@ def run(preset: str, ns: list[int], param_dtype: str) -> list[dict]:
     for n in ns:
         batch = {k: jax.ShapeDtypeStruct((n, model.cfg.seq_len), jnp.int32)
                  for k in ("inputs", "targets")}
-        # A 1-device mesh only runs stage 0: stages 1-3 fail shard_map's replication check
-        # there (engine issue), and they would equal stage 0 anyway.
-        for stage in range(4) if n > 1 else (0,):
+        for stage in range(4):
             t = time.perf_counter()
             cfg = zj.ZeroConfig(stage=stage, param_dtype=param_dtype)
             m = measure(zj.Engine(model, optax.adamw(3e-4), zj.make_mesh(data=n), cfg), batch)
@@ -60,12 +58,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     colors = ["tab:red", "tab:orange", "tab:green", "tab:blue"]
     for stage, color in enumerate(colors):
         rs = [r for r in rows if r["stage"] == stage]
-        # At N = 1 every stage is stage 0 (measured only there): start each line from it.
-        line = [rows[0], *rs] if stage and rows[0]["n"] == 1 else rs
-        ns = [r["n"] for r in line]
-        ax.plot(ns, [r["formula"] / 1e6 for r in line], "-", color=color,
+        ns = [r["n"] for r in rs]
+        ax.plot(ns, [r["formula"] / 1e6 for r in rs], "-", color=color,
                 label=f"stage {stage}: formula (params + grads + optimizer)")
-        ax.plot(ns, [r["formula_state"] / 1e6 for r in line], ":", color=color, lw=1)
+        ax.plot(ns, [r["formula_state"] / 1e6 for r in rs], ":", color=color, lw=1)
         ax.plot([r["n"] for r in rs], [r["state"] / 1e6 for r in rs], "o", mfc="none", color=color)
         ax.plot([r["n"] for r in rs], [r["peak"] / 1e6 for r in rs], "s", color=color)
     ax.plot([], [], ":", color="gray", label="formula without grads")
@@ -135,14 +131,13 @@ model-state formulas (stage 0 `16Ψ`, 1 `4Ψ + 12Ψ/N`, 2 `2Ψ + 14Ψ/N`, 3 `16�
   peak flattens where the formula keeps falling.
 - Findings on XLA:CPU (read from `*buffer-assignment.txt` with `--xla_dump_to`):
   stages 0–2 hold an fp32 copy of every scanned layer's bf16 weights in temp (CPU upcasts
-  bf16 matmuls and the cast ends up outside the layer loop; 4 bytes per block parameter),
-  and stages 1–2 build the re-gathered bf16 params in a temp before copying them into the
-  donated state. For gpt2-small the peak is set at the head, where the fp32 logits and the
-  untied 50257-row tables (one unit each, so not split by stage 2) dominate: stage 2's peak
-  is *not* below stage 1's for N ≤ 4. GPU peaks for stages 0–2 should be lower (not
-  measured here).
-- At N = 1 only stage 0 is measured: stages 1–3 on a one-device mesh fail shard_map's
-  replication check (an engine issue); they would equal stage 0.
+  bf16 matmuls and the cast ends up outside the layer loop; 4 bytes per block parameter).
+  For gpt2-small the peak is set at the head, where the fp32 logits and the untied
+  50257-row tables (one unit each, so not split by stage 2) dominate, which is why stage 2
+  saves far less than a full gradient against stage 1 here. GPU peaks for stages 0–2 should
+  be lower (not measured here).
+- At N = 1 every stage holds the whole state (nothing to shard), as the formulas say; their
+  temps differ by how each stage arranges the step.
 - *sent/step*: bytes each device sends per step in the requested dtype, from the lowered
   program with loop trip counts (stage 3 gathers the embedding and head once, not twice).
 

@@ -14,7 +14,6 @@ With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -156,7 +155,7 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         metrics["loss_scale"] = ls.scale
         metrics["skipped"] = (~finite).astype(jnp.int32)
 
-    compute = _refresh(plan, new_master) if plan.stores_compute else None
+    compute = _refresh(plan, new_master, state.compute) if plan.stores_compute else None
     metrics["loss"] = lax.pmean(loss, plan.axes)
     metrics["grad_norm"] = norm
     for name, v in aux.items():
@@ -188,8 +187,13 @@ def _reduce(plan: StepPlan, grads: list) -> list:
     return grads
 
 
-def _refresh(plan: StepPlan, master) -> Any:
-    """New compute params from the updated master: cast (stages 0, 3) or all_gather (1, 2)."""
+def _refresh(plan: StepPlan, master, old) -> Any:
+    """New compute params from the updated master: cast (stages 0, 3) or all_gather (1, 2).
+
+    Stages 1/2 write each gathered layer into `old`, the donated compute params of the step
+    before (dead once backward is done), so XLA updates that buffer in place instead of
+    building a second replicated copy of the params and copying it out.
+    """
     layout, dtype = plan.layout, plan.dtype
     masters = jax.tree.leaves(master)
     if plan.config.stage == 0:
@@ -198,20 +202,27 @@ def _refresh(plan: StepPlan, master) -> Any:
     if plan.config.stage == 3:
         return layout.unflatten(m.astype(dtype) for m in masters)
 
-    # One all_gather per layer for all stacked leaves, one for the rest; layer by layer, so
-    # each gathered layer lands in the [L, ...] outputs.
-    stacked = [i for i, leaf in enumerate(layout.leaves) if leaf.stacked]
-    flat = [i for i, leaf in enumerate(layout.leaves) if not leaf.stacked]
-    out = [None] * len(masters)
+    # One all_gather per layer for the stacked leaves (grouped by layer count: a model may
+    # scan stacks of different depths), one for all the others.
+    olds, out = jax.tree.leaves(old), [None] * len(masters)
+    depths = {leaf.shape[0] for leaf in layout.leaves if leaf.stacked}
+    groups = [[i for i, leaf in enumerate(layout.leaves) if leaf.stacked and leaf.shape[0] == d]
+              for d in sorted(depths)]
 
     def gather(idx, shards):
         # Gathered in compute dtype, not fp32; replicated ("invarying") as the state says.
         return gather_units(shards, [layout.leaves[i] for i in idx], plan.data, dtype,
                             replicated=True)
 
-    if stacked:
-        for i, v in zip(stacked, lax.map(partial(gather, stacked), [masters[i] for i in stacked])):
+    for idx in groups:
+        def layer(i, bufs, idx=idx):
+            units = gather(idx, [lax.dynamic_index_in_dim(masters[j], i, 0, False) for j in idx])
+            return [lax.dynamic_update_index_in_dim(b, u, i, 0) for b, u in zip(bufs, units)]
+
+        bufs = lax.fori_loop(0, layout.leaves[idx[0]].shape[0], layer, [olds[i] for i in idx])
+        for i, v in zip(idx, bufs):
             out[i] = v
+    flat = [i for i, leaf in enumerate(layout.leaves) if not leaf.stacked]
     if flat:
         for i, v in zip(flat, gather(flat, [masters[i] for i in flat])):
             out[i] = v
