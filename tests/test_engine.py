@@ -2,6 +2,7 @@
 
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -101,3 +102,38 @@ def test_evaluate_matches_the_plain_loss(stage):
     state, _ = eng.step(state, batch)
     want = float(model.loss(eng.params(state), batch, PlainUnits()))
     np.testing.assert_allclose(float(eng.evaluate(state, batch)["loss"]), want, rtol=1e-6)
+
+
+class TwoStacks:
+    """Two scanned stacks of different depths (2 and 3 layers) and one gathered unit of two
+    leaves; every size is odd, so N = 3 pads every leaf."""
+
+    def init(self, rng):
+        k = jax.random.split(rng, 4)
+        return {"io": {"inp": jax.random.normal(k[0], (5, 7)) * 0.5,
+                       "out": jax.random.normal(k[1], (7, 1)) * 0.5},
+                "enc": {"w": jax.random.normal(k[2], (2, 7, 7)) * 0.3, "b": jnp.zeros((2, 7))},
+                "dec": {"w": jax.random.normal(k[3], (3, 7, 7)) * 0.3, "g": jnp.ones((3, 7))}}
+
+    def loss(self, params, batch, units):
+        io = units.gather(params["io"])
+        h = batch["x"] @ io["inp"]
+        h = units.scan(lambda h, p: jnp.tanh(h @ p["w"] + p["b"][None]), h, params["enc"])
+        h = units.scan(lambda h, p: jnp.tanh(h @ p["w"]) * p["g"][None], h, params["dec"])
+        return jnp.mean(jnp.square(h @ io["out"] - batch["y"]))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_stacks_of_different_depths(variant):
+    """Units of several leaves and stacks of unequal depth (each gathered, reduce-scattered
+    and refreshed as its own bucket) train as single-device optax does."""
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(GLOBAL_BATCH, 5)).astype(np.float32),
+                "y": rng.normal(size=(GLOBAL_BATCH, 1)).astype(np.float32)} for _ in range(STEPS)]
+    ref_losses, ref_params = reference_run(TwoStacks(), adamw(), batches)
+    cfg = zj.ZeroConfig(clip_norm=CLIP, **VARIANTS[variant])
+    engine = zj.Engine(TwoStacks(), adamw(), zj.make_mesh(data=3), cfg)
+    losses, params, _ = engine_run(engine, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=ATOL)
+    assert losses[-1] < losses[0]
