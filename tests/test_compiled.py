@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.mesh import batch_sharding
+from zerojax.accounting import lower
 from zerojax.models import GPT, PRESETS, GPTConfig
 
 N, BATCH = 8, 8
@@ -27,12 +27,8 @@ def compiled(stage, layers=8, grad_accum=1, prefetch=False, micro=BATCH):
     mesh = zj.make_mesh(data=N)
     engine = zj.Engine(model, optax.adamw(1e-3), mesh,
                        zj.ZeroConfig(stage=stage, grad_accum=grad_accum, prefetch=prefetch))
-    b = jax.ShapeDtypeStruct((micro * grad_accum, cfg.seq_len), jnp.int32,
-                             sharding=batch_sharding(mesh))
-    batch = {"inputs": b, "targets": b}
-    engine._discover(jax.eval_shape(model.init, jax.random.key(0)), batch)
-    exe = engine.lower(engine.abstract_state(), batch).compile()
-    return engine, exe
+    b = jax.ShapeDtypeStruct((micro * grad_accum, cfg.seq_len), jnp.int32)
+    return engine, lower(engine, {"inputs": b, "targets": b}).compile()
 
 
 def mem(exe):
