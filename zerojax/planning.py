@@ -99,10 +99,11 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     import jax
     import optax
 
-    from zerojax.accounting import _collectives, lower, measure_lowered, state_bytes
+    from zerojax.accounting import lower, measure_lowered, state_bytes
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import BatchError
+    from zerojax.hlo import collectives
     from zerojax.mesh import make_mesh
 
     optimizer = optax.adamw(3e-4) if optimizer is None else optimizer
@@ -123,7 +124,7 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
         c.state_bytes = state_bytes(engine)["total"]
         if c.state_bytes > device_memory:
             text = lowered.compiler_ir("hlo").as_hlo_text()
-            found, c.launches, _ = _collectives(text, devices)
+            found, c.launches, _ = collectives(text, devices)
             c.comm_bytes = found["total"]
             c.reason = (f"model state alone is {format_bytes(c.state_bytes)} > "
                         f"{format_bytes(device_memory)} (not compiled)")

@@ -1,0 +1,163 @@
+"""Reading compiled programs: the collectives an HLO module runs, and the bytes they send.
+
+Every figure is per device: each collective is counted as the bytes one device sends in a
+ring, multiplied by the trip counts of the loops around it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "other")
+_KINDS = {
+    "all-gather": "all_gather",
+    "all-gather-start": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-reduce": "all_reduce",
+    "all-reduce-start": "all_reduce",
+    "collective-permute": "other",
+    "collective-permute-start": "other",
+    "all-to-all": "other",
+}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(\(.*\)\s*->.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
+_CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
+                     r"=(%?[\w.\-]+)|\b(?:called|branch)_computations=\{([^}]*)\}")
+
+
+def _dtype_bytes(name: str) -> float:
+    if name == "pred":
+        return 1
+    bits = re.match(r"[a-z]+(\d+)", name)
+    return int(bits.group(1)) / 8 if bits else 0
+
+
+def _shape_bytes(text: str) -> list[float]:
+    """Bytes of every array shape in an HLO type string, in order."""
+    return [_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+            for dt, dims in _SHAPE.findall(text)]
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """`type opcode(operands), attrs` -> (type, the rest from the opcode on)."""
+    if not rest.startswith("("):
+        head, _, tail = rest.partition(" ")
+        return head, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[: i + 1], rest[i + 1 :].lstrip()
+    return rest, ""
+
+
+def _group_size(attrs: str, default: int) -> int:
+    explicit = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # [groups, size]<=[...]
+    return int(iota.group(2)) if iota else default
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
+    """Computations of an HLO module: name -> [(opcode, type, attributes)], and the entry."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line) if not line.startswith((" ", "HloModule")) else None
+        if header:
+            current = comps.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+            continue
+        instr = _INSTR.match(line) if current is not None else None
+        if instr:
+            typ, rest = _split_type(instr.group(1))
+            op = re.match(r"([\w-]+)\(", rest)
+            if op:
+                attrs = re.sub(r"metadata=\{[^}]*\}", "", rest)
+                current.append((op.group(1), typ, attrs))
+    return comps, entry
+
+
+def _trip_count(attrs: str, comps) -> int | None:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", attrs)
+    instrs = comps.get(cond.group(1), []) if cond else []
+    consts = [re.match(r"constant\((-?\d+)\)", rest) for op, _, rest in instrs if op == "constant"]
+    consts = [int(m.group(1)) for m in consts if m]
+    lt = any(op == "compare" and "direction=LT" in rest for op, _, rest in instrs)
+    # `i < K` with i counting from 0: how lax.scan and fori_loop lower.
+    return consts[0] if lt and len(consts) == 1 else None
+
+
+def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
+    """Bytes one device sends per execution of an HLO module, by collective kind (ring model).
+
+    all-gather: (n-1)/n of the output; reduce-scatter: (n-1)/n of the input; all-reduce:
+    2(n-1)/n; collective-permute: the buffer; all-to-all: (n-1)/n. n is the replica-group
+    size (`devices` when the groups are implicit). Collectives inside while loops count once
+    per trip; both branches of a conditional count.
+    """
+    return collectives(hlo_text, devices)[0]
+
+
+def collectives(hlo_text: str, devices: int) -> tuple[dict[str, float], int, int]:
+    """(bytes by kind, collectives launched, loops whose trip count is unknown and so is 1)."""
+    comps, entry = _parse_hlo(hlo_text)
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    unknown = 0
+    for name, instrs in comps.items():
+        for op, _, attrs in instrs:
+            if op.endswith(("-done", "-update")):
+                continue  # an async pair lists its computation on both halves
+            factor = 1
+            if op == "while":
+                trip = _trip_count(attrs, comps)
+                unknown += trip is None
+                factor = 1 if trip is None else trip
+            for one, many in _CALLEE.findall(attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", one or many):
+                    if callee in comps:
+                        calls[name].append((callee, factor))
+    # Multiplicity of each computation: sum over call paths from the entry (a DAG).
+    order, seen = [], set()
+
+    def visit(c):
+        if c not in seen:
+            seen.add(c)
+            for callee, _ in calls[c]:
+                visit(callee)
+            order.append(c)
+
+    visit(entry)
+    mult = dict.fromkeys(comps, 0)
+    mult[entry] = 1
+    for c in reversed(order):
+        for callee, factor in calls[c]:
+            mult[callee] += mult[c] * factor
+    out, launches = dict.fromkeys(COLLECTIVES, 0.0), 0
+    for name, instrs in comps.items():
+        for op, typ, attrs in instrs:
+            kind = _KINDS.get(op)
+            if kind is None or not mult[name]:
+                continue
+            sizes = _shape_bytes(typ)
+            n = _group_size(attrs, devices)
+            if op == "all-gather-start":  # (operands..., results...): results are n/(n+1)
+                size = sum(sizes) * n / (n + 1)
+            elif op == "collective-permute-start":  # (operand, result, contexts...)
+                size = sizes[0]
+            else:
+                size = sum(sizes)
+            sent = {"all-gather": (n - 1) / n * size, "reduce-scatter": (n - 1) * size,
+                    "all-reduce": 2 * (n - 1) / n * size, "all-to-all": (n - 1) / n * size,
+                    "collective-permute": size}[op.removesuffix("-start")]
+            out[kind] += mult[name] * sent
+            launches += mult[name]
+    out["total"] = sum(out[k] for k in COLLECTIVES)
+    return out, launches, unknown
