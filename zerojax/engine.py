@@ -40,6 +40,7 @@ class Engine:
         self.axes = batch_axes(mesh)
         self.plan: StepPlan | None = None
         self._step_fn = None
+        self._eval_fn = None
 
     # ---------------------------------------------------------------- layout discovery
 

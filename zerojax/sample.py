@@ -73,7 +73,7 @@ def sample(args: SampleConfig) -> str:
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     model = get_model(cfg.model)
     engine = Engine(model, make_optimizer(cfg)[0], make_mesh(data=1, devices=jax.devices()[:1]))
-    params = jax.device_get(engine.params(engine.restore(directory, meta["step"])))
+    params = engine.params(engine.restore(directory, meta["step"]))  # stays on device
     prompt = args.prompt.encode() or b"\n"
     if max(prompt) >= model.cfg.vocab_size:
         raise UsageError(f"the prompt has bytes >= preset {cfg.model!r}'s vocab_size "

@@ -26,7 +26,7 @@ from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, LossScale, update_loss_scale
-from zerojax.units import ShardUnits, gather_units, make_handles
+from zerojax.units import ShardUnits, gather_layer, gather_units, make_handles
 
 
 class TrainState(NamedTuple):
@@ -156,10 +156,8 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         metrics["skipped"] = (~finite).astype(jnp.int32)
 
     compute = _refresh(plan, new_master, state.compute) if plan.stores_compute else None
-    metrics["loss"] = lax.pmean(loss, plan.axes)
-    metrics["grad_norm"] = norm
-    for name, v in aux.items():
-        metrics[name] = lax.pmean(jnp.asarray(v, jnp.float32), plan.axes)
+    means = _mean_metrics(loss, aux, plan.axes)
+    metrics.update(loss=means.pop("loss"), grad_norm=norm, **means)
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls)
     return new_state, metrics
 
@@ -202,29 +200,25 @@ def _refresh(plan: StepPlan, master, old) -> Any:
     if plan.config.stage == 3:
         return layout.unflatten(m.astype(dtype) for m in masters)
 
-    # One all_gather per layer for the stacked leaves (grouped by layer count: a model may
-    # scan stacks of different depths), one for all the others.
-    olds, out = jax.tree.leaves(old), [None] * len(masters)
-    depths = {leaf.shape[0] for leaf in layout.leaves if leaf.stacked}
-    groups = [[i for i, leaf in enumerate(layout.leaves) if leaf.stacked and leaf.shape[0] == d]
-              for d in sorted(depths)]
+    # One all_gather per layer for the stacked leaves (one loop per depth: a model may scan
+    # stacks of different depths), one for all the others.
+    # Gathered in compute dtype, not fp32; replicated ("invarying") as the state says.
+    olds, out, n = jax.tree.leaves(old), [None] * len(masters), layout.shards
+    for depth in sorted({leaf.shape[0] for leaf in layout.leaves if leaf.stacked}):
+        idx = [i for i, leaf in enumerate(layout.leaves) if leaf.stacked and leaf.shape[0] == depth]
+        leaves, stacks = [layout.leaves[i] for i in idx], [masters[i] for i in idx]
 
-    def gather(idx, shards):
-        # Gathered in compute dtype, not fp32; replicated ("invarying") as the state says.
-        return gather_units(shards, [layout.leaves[i] for i in idx], plan.data, dtype,
-                            replicated=True)
-
-    for idx in groups:
-        def layer(i, bufs, idx=idx):
-            units = gather(idx, [lax.dynamic_index_in_dim(masters[j], i, 0, False) for j in idx])
+        def layer(i, bufs, leaves=leaves, stacks=stacks):
+            units = gather_layer(stacks, i, leaves, n, dtype, replicated=True)
             return [lax.dynamic_update_index_in_dim(b, u, i, 0) for b, u in zip(bufs, units)]
 
-        bufs = lax.fori_loop(0, layout.leaves[idx[0]].shape[0], layer, [olds[i] for i in idx])
-        for i, v in zip(idx, bufs):
+        for i, v in zip(idx, lax.fori_loop(0, depth, layer, [olds[i] for i in idx])):
             out[i] = v
     flat = [i for i, leaf in enumerate(layout.leaves) if not leaf.stacked]
     if flat:
-        for i, v in zip(flat, gather(flat, [masters[i] for i in flat])):
+        units = gather_units([masters[i] for i in flat], [layout.leaves[i] for i in flat], n,
+                             dtype, replicated=True)
+        for i, v in zip(flat, units):
             out[i] = v
     return layout.unflatten(out)
 
@@ -236,7 +230,12 @@ def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
     # No backward: stages 0-2 read their replicated params directly; stage 3 gathers units.
     units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False)
     loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
-    metrics = {"loss": lax.pmean(loss.astype(jnp.float32), plan.axes)}
+    return _mean_metrics(loss, aux, plan.axes)
+
+
+def _mean_metrics(loss, aux: dict, axes) -> dict:
+    """The loss and aux metrics, as f32 means over all devices."""
+    metrics = {"loss": lax.pmean(loss.astype(jnp.float32), axes)}
     for name, v in aux.items():
-        metrics[name] = lax.pmean(jnp.asarray(v, jnp.float32), plan.axes)
+        metrics[name] = lax.pmean(jnp.asarray(v, jnp.float32), axes)
     return metrics

@@ -154,8 +154,8 @@ class ShardUnits:
             return [a.astype(self.dtype) for a in args]
         if self.stage == 2:
             return list(_view(tuple(fulls), tuple(args), leaves, self.layout.shards))
-        flat = args[0] if len(args) == 1 else jnp.concatenate(args)
-        return split_units(_gather(flat, self.dtype), leaves, self.layout.shards)
+        return split_units(_gather(jnp.concatenate(args), self.dtype), leaves,
+                           self.layout.shards)
 
     def gather(self, subtree):
         hs = _handles(subtree, "gather")
@@ -166,10 +166,10 @@ class ShardUnits:
     def scan(self, body, carry, stacked):
         hs = _handles(stacked, "scan")
         idx = [h.index for h in hs]
-        xs = [self.args[i] for i in idx]
-        fulls = None if self.full is None else [self.full[i] for i in idx]
         if self.stage == 3 and self.prefetch:
             return _prefetch_scan(self, body, carry, stacked, idx)
+        xs = [self.args[i] for i in idx]
+        fulls = None if self.full is None else [self.full[i] for i in idx]
 
         def step(c, layer):
             args_l, fulls_l = layer
@@ -198,17 +198,22 @@ def split_units(gathered, leaves, shards):
 def gather_units(shards, leaves, n, dtype, replicated=False):
     """Several leaves' `[k_i]` shards -> their logical unit values, with one all_gather in
     `dtype` (`replicated`: typed invariant over "data", as replicated state must be)."""
-    shards = [s.astype(dtype) for s in shards]
-    flat = _barrier(jnp.concatenate(shards) if len(shards) > 1 else shards[0])
+    flat = _barrier(jnp.concatenate([s.astype(dtype) for s in shards]))
     kw = {"to": "invarying"} if replicated else {}
     return split_units(lax.all_gather(flat, DATA, axis=0, tiled=True, **kw), leaves, n)
+
+
+def gather_layer(stacks, i, leaves, n, dtype, replicated=False):
+    """Layer `i` of several stacked `[L, k_i]` shards, gathered as one unit (`gather_units`)."""
+    return gather_units([lax.dynamic_index_in_dim(x, i, 0, False) for x in stacks], leaves, n,
+                        dtype, replicated)
 
 
 def reduce_scatter_units(cts, leaves, n, dtype):
     """Several leaves' unit cotangents -> this device's `[k_i]` shard of each one's sum over
     "data", with one reduce-scatter."""
     padded = [pad_unit(ct, leaf, n).astype(dtype).reshape(n, -1) for ct, leaf in zip(cts, leaves)]
-    flat = (jnp.concatenate(padded, axis=1) if len(padded) > 1 else padded[0]).reshape(-1)
+    flat = jnp.concatenate(padded, axis=1).reshape(-1)
     g = lax.psum_scatter(flat, DATA, scatter_dimension=0, tiled=True)  # [N·K] {U} -> [K]
     return lax.split(g, [p.shape[1] for p in padded]) if len(padded) > 1 else [g]
 
@@ -227,11 +232,11 @@ def _view(fulls, standins, leaves, shards):
 
 
 def _view_fwd(fulls, standins, leaves, shards):
-    return fulls, tuple(jnp.zeros((), s.dtype) for s in standins)
+    return fulls, jnp.zeros((), standins[0].dtype)  # the stand-ins share the reduction dtype
 
 
-def _view_bwd(leaves, shards, tokens, cts):
-    return None, tuple(reduce_scatter_units(cts, leaves, shards, tokens[0].dtype))
+def _view_bwd(leaves, shards, token, cts):
+    return None, tuple(reduce_scatter_units(cts, leaves, shards, token.dtype))
 
 
 _view.defvjp(_view_fwd, _view_bwd)
@@ -268,14 +273,12 @@ def _prefetch_scan(units, body, carry, stacked, idx):
     xs = [units.args[i] for i in idx]  # [L, k] each, in the reduction dtype
     length = xs[0].shape[0]
 
-    def gather_layer(xs, i):
-        return gather_units([lax.dynamic_index_in_dim(x, i, 0, False) for x in xs], leaves,
-                            layout.shards, dtype)
+    layer_of = partial(gather_layer, leaves=leaves, n=layout.shards, dtype=dtype)
 
     def layer_fn(c, ws):
         return body(c, _rebuild(stacked, ws))
 
-    ws0 = gather_layer(xs, 0)
+    ws0 = layer_of(xs, 0)
     fn, consts = jax.closure_convert(layer_fn, carry, ws0)
 
     @jax.custom_vjp
@@ -289,10 +292,10 @@ def _prefetch_scan(units, body, carry, stacked, idx):
     def _forward(carry, xs, consts):
         def step(state, i):
             c, ws = state
-            ws_next = gather_layer(xs, jnp.minimum(i + 1, length - 1))  # prefetch
+            ws_next = layer_of(xs, jnp.minimum(i + 1, length - 1))  # prefetch
             return (fn(c, ws, *consts), ws_next), c
 
-        (c, _), cs = lax.scan(step, (carry, gather_layer(xs, 0)), jnp.arange(length))
+        (c, _), cs = lax.scan(step, (carry, layer_of(xs, 0)), jnp.arange(length))
         return c, cs
 
     def fwd(carry, xs, consts):
@@ -304,14 +307,14 @@ def _prefetch_scan(units, body, carry, stacked, idx):
 
         def step(state, i):
             ct, ws, ct_k = state
-            ws_prev = gather_layer(xs, jnp.maximum(i - 1, 0))  # prefetch
+            ws_prev = layer_of(xs, jnp.maximum(i - 1, 0))  # prefetch
             c_in = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), cs)
             _, vjp = jax.vjp(lambda c, w, k: fn(c, w, *k), c_in, ws, consts)
             ct, ct_ws, ct_ki = vjp(ct)
             g = reduce_scatter_units(ct_ws, leaves, layout.shards, xs[0].dtype)
             return (ct, ws_prev, jax.tree.map(jnp.add, ct_k, ct_ki)), g
 
-        init = (ct, gather_layer(xs, length - 1), jax.tree.map(jnp.zeros_like, consts))
+        init = (ct, layer_of(xs, length - 1), jax.tree.map(jnp.zeros_like, consts))
         (ct, _, ct_k), gs = lax.scan(step, init, jnp.arange(length), reverse=True)
         return ct, gs, ct_k
 
