@@ -196,6 +196,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, reference):
     assert r.returncode == 0, r.stderr
     assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 21))
     np.testing.assert_array_equal(losses(out), losses(reference))
+    # Resumed past --steps: nothing to train, and step 20's state is not saved as step 5.
+    r = zerojax("train", *SMALL, "--data", _data_of(reference), "--devices", 4, "--steps", 5,
+                "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]
 
 
 def _data_of(out: Path) -> str:

@@ -470,13 +470,12 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                 engine.save(state, ckpt, step + 1, wait=False, extra=extra)
                 saved.add(step + 1)
-        else:
-            step = cfg.steps
     finally:
         stop.close()
         show.close()
         if profiling:
             jax.profiler.stop_trace()
+    step = int(state.step)  # also right when resumed past --steps, or interrupted
     if step not in saved and step > 0:
         engine.save(state, ckpt, step, wait=True, extra=extra)
     if saved:
