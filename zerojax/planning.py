@@ -20,7 +20,6 @@ from typing import Any
 from zerojax.accounting import (
     STAGES,
     EstimateError,
-    Measurement,
     comm_estimate,
     estimate,
     estimate_table,
@@ -44,12 +43,9 @@ class Candidate:
     state_bytes: int | None = None
     comm_bytes: float | None = None  # requested dtype, per device per step
     launches: int | None = None  # collectives started per step
-    measurement: Measurement | None = None
 
     def row(self) -> dict[str, Any]:
-        row = dataclasses.asdict(self)
-        row.pop("measurement")
-        return row
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -129,7 +125,7 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
             c.reason = (f"model state alone is {format_bytes(c.state_bytes)} > "
                         f"{format_bytes(device_memory)} (not compiled)")
             continue
-        m = c.measurement = measure_lowered(engine, lowered)
+        m = measure_lowered(engine, lowered)
         c.peak_bytes, c.comm_bytes = m.peak_bytes, m.collective_bytes["total"]
         c.launches = m.collective_launches
     return _choose(PlanResult(devices, int(device_memory), cands, param_dtype=param_dtype))

@@ -408,8 +408,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
         state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
     start = int(state.step)
 
-    num_params = sum(math.prod(x.shape) for x in
-                     jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+    num_params = engine.layout.num_params
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured = report.state_bytes_per_device(state, mine)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg)
