@@ -14,6 +14,7 @@ import atexit
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,32 @@ _MANAGERS: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
 
 
 # ---------------------------------------------------------------- logical layout
+
+# Per engine: its plan, the jitted state -> (logical tree, checksums), the model's leaf dtypes.
+# Compiled once per layout, not on every save (a fresh jit would recompile each time).
+_SAVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _saver(engine):
+    cached = _SAVERS.get(engine)
+    if cached is not None and cached[0] is engine.plan:
+        return cached[1:]
+    layout = engine.layout
+    shardings = jax.tree.map(lambda x: x.sharding, _abstract(engine, layout))
+
+    def logical(state):
+        tree = {"params": layout.from_flat(state.master),
+                "opt_state": _map_opt(engine.optimizer, layout, unpad, state.opt_state),
+                "step": state.step,
+                "loss_scale": {"scale": state.loss_scale.scale,
+                               "good_steps": state.loss_scale.good_steps}}
+        return tree, _sums(tree)
+
+    model = jax.eval_shape(engine.model.init, jax.random.key(0))
+    dtypes = [jnp.dtype(m.dtype).name for m in jax.tree.leaves(model)]
+    _SAVERS[engine] = (engine.plan, jax.jit(logical, out_shardings=(shardings, None)), dtypes)
+    return _SAVERS[engine][1:]
+
 
 
 def _is_masked(x) -> bool:
@@ -152,28 +179,17 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra= must be a JSON-serializable dict: {e}") from None
     layout, cfg = engine.layout, engine.config
-    target = _abstract(engine, layout)
-    shardings = jax.tree.map(lambda x: x.sharding, target)
-
-    def logical(state):
-        tree = {"params": layout.from_flat(state.master),
-                "opt_state": _map_opt(engine.optimizer, layout, unpad, state.opt_state),
-                "step": state.step,
-                "loss_scale": {"scale": state.loss_scale.scale,
-                               "good_steps": state.loss_scale.good_steps}}
-        return tree, _sums(tree)
-
-    tree, sums = jax.jit(logical, out_shardings=(shardings, None))(state)
+    to_logical, dtypes = _saver(engine)
+    tree, sums = to_logical(state)
     sums = [int(x) for x in jax.device_get(sums)]
     n_params = len(layout.leaves)
-    model = jax.eval_shape(engine.model.init, jax.random.key(0))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "zerojax_version": zerojax.__version__, "step": step, "stage": cfg.stage,
             "mesh": {"replica": engine.replica, "data": engine.data},
             "param_dtype": cfg.param_dtype, "dynamic_loss_scale": cfg.dynamic_scale,
-            "params": [dict(d, stacked=leaf.stacked, dtype=jnp.dtype(m.dtype).name)
-                       for d, leaf, m in zip(_describe(tree["params"], sums[:n_params]),
-                                             layout.leaves, jax.tree.leaves(model), strict=True)],
+            "params": [dict(d, stacked=leaf.stacked, dtype=dtype)
+                       for d, leaf, dtype in zip(_describe(tree["params"], sums[:n_params]),
+                                                 layout.leaves, dtypes, strict=True)],
             "opt_state": {"treedef": str(jax.tree.structure(tree["opt_state"])),
                           "leaves": _describe(tree["opt_state"], sums[n_params:])},
             "extra": extra}
