@@ -22,6 +22,7 @@ from helpers import CLIP, adamw, assert_tree_close, gpt_batch, tiny_gpt
 
 import zerojax as zj
 from zerojax import checkpoint as ck
+from zerojax import export as ex
 from zerojax.models import GPT
 from zerojax.models.gpt import GPTConfig
 from zerojax.units import PlainUnits
@@ -238,8 +239,8 @@ def test_restore_onto_hybrid_mesh(ref):
 def test_export_round_trip(ref, tmp_path):
     """The export loads as plain Flax params: same values, same loss as the engine."""
     out = tmp_path / "params.safetensors"
-    assert ck.export_main([str(ref.dir), "--out", str(out)]) == 0
-    params = ck.load_exported(out)
+    assert ex.export_main([str(ref.dir), "--out", str(out)]) == 0
+    params = ex.load_exported(out)
     assert_bitwise(params, ref.params)
     model = tiny_gpt()
     loss = model.loss(params, batch(3), PlainUnits())
@@ -258,8 +259,8 @@ def test_export_of_other_chunkings(ref, tmp_path):
     layout = ck._abstract(engine, engine.layout)["params"]
     specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(layout)}
     assert {(), (None, None, "data")} <= specs  # whole leaves, and leaves split on axis 2
-    ck.export(tmp_path / "n3", tmp_path / "p.safetensors")
-    assert_bitwise(ck.load_exported(tmp_path / "p.safetensors"), ref.params)
+    ex.export(tmp_path / "n3", tmp_path / "p.safetensors")
+    assert_bitwise(ex.load_exported(tmp_path / "p.safetensors"), ref.params)
 
 
 # ---------------------------------------------------------------- failures
@@ -304,7 +305,7 @@ def test_damaged_file(ref, tmp_path, how):
         engine.restore(d)
     assert engine.plan is None and snapshot(d) == before  # nothing written
     out = tmp_path / "p.safetensors"
-    assert ck.export_main([str(d), "--out", str(out)]) == 1
+    assert ex.export_main([str(d), "--out", str(out)]) == 1
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
@@ -327,7 +328,7 @@ def test_checksum_names_the_corrupted_leaf(ref, tmp_path):
     with pytest.raises(zj.CheckpointError, match=r"corrupted: checksum mismatch in "
                                                  r"params\['blocks'\]\['attn'\]\['out'\]\['kernel'\]$"):
         make_engine(1, 2).restore(d)
-    assert ck.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
 
 
 def test_other_model_names_leaves_and_shapes(ref):
@@ -367,7 +368,7 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     for args, rc in (([str(tmp_path), "--out", str(tmp_path / "p.bin")], 1),
                      ([str(tmp_path), "--out", str(tmp_path / "p.safetensors")], 1),
                      ([str(tmp_path)], 2), ([str(tmp_path), "--step", "x", "--out", "p"], 2)):
-        assert ck.export_main(args) == rc
+        assert ex.export_main(args) == rc
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("zerojax export: error:"), lines
 

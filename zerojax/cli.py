@@ -13,7 +13,7 @@ COMMANDS = {
     "estimate": ("zerojax.planning", "estimate_main", "ZeRO paper memory/comm per device"),
     "measure": ("zerojax.planning", "measure_main", "memory/comm measured from compiled steps"),
     "plan": ("zerojax.planning", "plan_main", "the cheapest configuration that fits"),
-    "export": ("zerojax.checkpoint", "export_main", "consolidated fp32 params from a checkpoint"),
+    "export": ("zerojax.export", "export_main", "consolidated fp32 params from a checkpoint"),
 }
 
 
