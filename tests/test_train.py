@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerojax import sample, train
+from zerojax import options, sample, train
 from zerojax.data import embedded_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def reference(tmp_path_factory, tokens64) -> Path:
 def test_help_documents_every_option(capsys):
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
-    for field in train.TrainConfig.__dataclass_fields__:
+    for field in options.TrainConfig.__dataclass_fields__:
         assert f"--{field.replace('_', '-')}" in text, field
     assert "Total optimizer steps" in text  # field docstrings are the help
 
@@ -83,9 +83,9 @@ def test_help_documents_every_option(capsys):
 def test_config_file_then_flags(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"steps": 7, "seq-len": 32, "stage": 1}))
     (tmp_path / "run.toml").write_text('steps = 9\nmodel = "small8"\n')
-    cfg = train.parse_args(["--config", str(tmp_path / "run.json"), "--steps", "5"])
+    cfg = options.parse_args(["--config", str(tmp_path / "run.json"), "--steps", "5"])
     assert (cfg.steps, cfg.seq_len, cfg.stage, cfg.model) == (5, 32, 1, "nano")
-    cfg = train.parse_args([f"--config={tmp_path / 'run.toml'}"])
+    cfg = options.parse_args([f"--config={tmp_path / 'run.toml'}"])
     assert (cfg.steps, cfg.model) == (9, "small8")
 
 
@@ -223,4 +223,4 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, tokens64):
     assert proc.returncode == 130, err
     last = records(tmp_path)[-1]["step"]
     assert f"interrupted at step {last}; checkpoint saved" in err
-    assert train.checkpoint_steps(tmp_path / "checkpoints") == [last]
+    assert options.checkpoint_steps(tmp_path / "checkpoints") == [last]

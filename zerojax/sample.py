@@ -11,7 +11,7 @@ import numpy as np
 import tyro
 
 from zerojax.errors import ZeroError
-from zerojax.train import TrainConfig, UsageError, checkpoint_steps, make_optimizer
+from zerojax.options import TrainConfig, UsageError, checkpoint_steps, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

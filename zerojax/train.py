@@ -7,7 +7,6 @@ the XLA flags and `jax.distributed` must all be set first.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -15,228 +14,29 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
 
 import numpy as np
-import tyro
 
-from zerojax.data import DataError, embedded_corpus, eval_batches, load_tokens, split_tokens
+from zerojax.data import DataError, eval_batches
 from zerojax.errors import ZeroError
 from zerojax.models import PRESETS
+from zerojax.options import (
+    TRAJECTORY,
+    TrainConfig,
+    UsageError,
+    check_split,
+    load_data,
+    make_optimizer,
+    parse_args,
+    validate,
+)
 
 DEFAULT_CPU_DEVICES = 4
 _FORCE = "--xla_force_host_platform_device_count"
-# Options that change a run's trajectory (the data order or the updates), unlike devices,
-# stage or output options; a resume that changes them is reported.
-_TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
-               "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Train a GPT preset under ZeRO on the embedded corpus (no download) or a token file."""
-
-    model: str = "nano"
-    """GPT preset: test, nano, small8, gpt2-small, 1b or 7b."""
-    stage: Literal[0, 1, 2, 3] = 3
-    """ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)."""
-    devices: int | None = None
-    """Devices per process: simulated on CPU (default 4); on GPU the first N (default all)."""
-    replica: int = 1
-    """Replica groups for hybrid sharding: state sharded within a group, replicated across."""
-    steps: int = 200
-    """Total optimizer steps (a resumed run continues up to this step)."""
-    batch: int = 16
-    """Global batch in sequences, over all processes and devices."""
-    seq_len: int | None = None
-    """Tokens per sequence; default and maximum: the preset's context length."""
-    lr: float = 3e-3
-    """Peak learning rate of AdamW."""
-    warmup: int = 10
-    """Linear warm-up steps up to --lr."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """After warm-up: cosine decay to --min-lr-ratio × --lr at --steps, or constant."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine schedule, as a fraction of --lr."""
-    weight_decay: float = 0.1
-    """AdamW weight decay of matrices and embeddings (not biases or LayerNorm)."""
-    grad_accum: int = 1
-    """Micro-batches per step (each device's batch is split this many ways)."""
-    clip_norm: float | None = 1.0
-    """Clip gradients to this global norm; None disables clipping."""
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of params and grads (masters, Adam: fp32; float16: loss scaling)."""
-    remat: bool = True
-    """Recompute each layer in backward instead of saving its activations."""
-    prefetch: bool = False
-    """Stage 3: gather layer i+1's parameters while layer i computes."""
-    out: str = "runs/train"
-    """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
-    save_every: int = 0
-    """Save a checkpoint every N steps; 0: only at the end (and on Ctrl-C)."""
-    resume: bool = False
-    """Continue from the latest checkpoint in OUT/checkpoints."""
-    eval_every: int = 50
-    """Eval loss every N steps (and before the first and after the last); 0: never."""
-    eval_batches: int = 4
-    """Fixed held-out batches (of --batch sequences) averaged for the eval loss."""
-    seed: int = 0
-    """Seed of the initial parameters and of the data order."""
-    profile: bool = False
-    """Write a jax.profiler trace of a few steps to OUT/profile (TensorBoard / Perfetto)."""
-    data: str | None = None
-    """Token file (.txt bytes, .bin uint16, .npy) instead of the corpus; its last 5% is eval."""
-    coordinator: str | None = None
-    """HOST:PORT of process 0 (with --num-processes, --process-id); SLURM/Open MPI: automatic."""
-    num_processes: int | None = None
-    """Processes in a multi-process run."""
-    process_id: int | None = None
-    """This process's index in a multi-process run."""
-    xla_overlap: bool = False
-    """On GPU: set XLA's latency-hiding scheduler and pipelined collective flags."""
-    quiet: bool = False
-    """No table and no progress; only errors and a final line."""
-    config: str | None = None
-    """JSON or TOML file of these options (keys: option names); command-line flags override it."""
-
-
-class UsageError(ValueError):
-    """A bad command-line option; reported as one line and exit code 2."""
 
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite."""
-
-
-# --------------------------------------------------------------------------------- options
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Options from `--config FILE` (if given) overridden by the command line."""
-    default = TrainConfig()
-    path = _flag_value(argv, "--config")
-    if path is not None:
-        default = dataclasses.replace(default, **load_config_file(path), config=path)
-    return tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
-
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """TrainConfig fields from a JSON or TOML file."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"config file not found: {path!r}")
-    try:
-        if p.suffix.lower() == ".toml":
-            import tomllib
-
-            values = tomllib.loads(p.read_text())
-        else:
-            values = json.loads(p.read_text())
-    except (ValueError, ImportError) as e:
-        raise UsageError(f"cannot read config file {path!r}: {e}") from None
-    if not isinstance(values, dict):
-        raise UsageError(f"config file {path!r} must hold a table/object of options")
-    values = {k.replace("-", "_"): v for k, v in values.items()}
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise UsageError(f"unknown option(s) {unknown} in config file {path!r}; see --help")
-    return values
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Checks every option that can be checked before jax starts; fills in the defaults."""
-    for name, low in [*((n, 1) for n in ("steps", "batch", "replica", "grad_accum",
-                                         "eval_batches", "devices", "seq_len")),
-                      *((n, 0) for n in ("save_every", "eval_every", "warmup", "seed"))]:
-        v = getattr(cfg, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            kind = "a positive" if low else "a non-negative"
-            raise UsageError(f"--{name.replace('_', '-')}={v!r} must be {kind} integer")
-    if cfg.model not in PRESETS:
-        raise UsageError(f"unknown GPT preset --model={cfg.model!r}; choose one of "
-                         f"{', '.join(PRESETS)}")
-    if cfg.stage not in (0, 1, 2, 3):
-        raise UsageError(f"--stage={cfg.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.weight_decay < 0:
-        raise UsageError(f"--lr={cfg.lr} must be positive, --min-lr-ratio={cfg.min_lr_ratio} "
-                         f"in [0, 1] and --weight-decay={cfg.weight_decay} non-negative")
-    ctx = PRESETS[cfg.model].seq_len
-    seq_len = ctx if cfg.seq_len is None else cfg.seq_len
-    if seq_len > ctx:
-        raise UsageError(f"--seq-len={seq_len} exceeds preset {cfg.model!r}'s context length "
-                         f"{ctx}")
-    dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
-    if any(v is not None for v in dist) and any(v is None for v in dist):
-        raise UsageError("--coordinator, --num-processes and --process-id go together; give "
-                         "all three (or none, to auto-detect SLURM / Open MPI)")
-    if cfg.num_processes is not None and not 0 <= cfg.process_id < cfg.num_processes:
-        raise UsageError(f"--process-id={cfg.process_id} must be in [0, --num-processes="
-                         f"{cfg.num_processes})")
-    if cfg.devices is not None:
-        check_split(cfg, cfg.devices * (cfg.num_processes or 1))
-    if cfg.prefetch and cfg.stage != 3:
-        raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
-    steps = checkpoint_steps(Path(cfg.out) / "checkpoints")
-    if cfg.resume and not steps:
-        raise UsageError(f"--resume: no checkpoint in {str(Path(cfg.out) / 'checkpoints')!r}; "
-                         f"train without --resume first, or point --out at the run")
-    if not cfg.resume and steps:
-        raise UsageError(f"{cfg.out!r} already holds checkpoints (latest step {max(steps)}); "
-                         f"pass --resume to continue it or choose another --out")
-    return dataclasses.replace(cfg, seq_len=seq_len)
-
-
-def check_split(cfg: TrainConfig, devices: int) -> None:
-    """The global batch must split evenly over processes, devices, replicas and micro-batches."""
-    if devices % cfg.replica:
-        raise UsageError(f"{devices} devices do not split into --replica={cfg.replica} groups")
-    if cfg.batch % devices:
-        raise UsageError(f"--batch={cfg.batch} is not divisible by the {devices} devices; use a "
-                         f"multiple of {devices}")
-    if (cfg.batch // devices) % cfg.grad_accum:
-        raise UsageError(f"per-device batch {cfg.batch // devices} is not divisible by "
-                         f"--grad-accum={cfg.grad_accum}; use a --batch that is a multiple of "
-                         f"{devices * cfg.grad_accum}")
-
-
-def checkpoint_steps(directory: Path) -> list[int]:
-    """The complete (integer-named) step directories of a checkpoint directory."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
-    """`(train, eval, description)` tokens: the embedded corpus or `--data`."""
-    if cfg.data is None:
-        train, ev = embedded_corpus(split="train"), embedded_corpus(split="eval")
-        what = "embedded stdlib corpus"
-    else:
-        train, ev = split_tokens(load_tokens(cfg.data))
-        what = cfg.data
-    vocab = PRESETS[cfg.model].vocab_size
-    if np.iinfo(train.dtype).max >= vocab:  # only when the dtype can hold larger ids
-        # A prefix of a large memory-mapped file; ids past it make the loss NaN, which stops
-        # the run naming the step.
-        top = max(int(train[:2**26].max()), int(ev[:2**26].max()))
-        if top >= vocab:
-            raise UsageError(f"{what} has token id {top} but preset {cfg.model!r} has "
-                             f"vocab_size {vocab}; use a larger preset or re-tokenize")
-    for name, t in (("train", train), ("eval", ev)):
-        if len(t) <= cfg.seq_len:
-            raise UsageError(f"{what}: {len(t)} {name} tokens are too few for --seq-len="
-                             f"{cfg.seq_len}")
-    return train, ev, f"{what}: {len(train):,} train / {len(ev):,} eval tokens"
 
 
 # --------------------------------------------------------------------------------- runtime
@@ -257,36 +57,11 @@ def start_runtime(cfg: TrainConfig) -> None:
                                                                 "float32" else 2)
         apply_overlap_flags(combine_threshold_bytes=max(layer, DEFAULT_COMBINE_BYTES))
 
-
     from zerojax.mesh import initialize_distributed
 
     multi = any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
     if cfg.coordinator is not None or multi:
         initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
-
-
-def make_optimizer(cfg: TrainConfig):
-    """AdamW with linear warm-up then cosine (or constant); returns (optimizer, schedule)."""
-    import optax
-
-    w, lr = cfg.warmup, cfg.lr
-    if cfg.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            init_value=lr / w if w else lr, peak_value=lr, warmup_steps=w,
-            decay_steps=max(cfg.steps, w + 1), end_value=lr * cfg.min_lr_ratio)
-    else:
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(lr / w if w else lr, lr, w), optax.constant_schedule(lr)], [w])
-    # Leaves keep their names in the engine's flat layout, so the mask goes by name, not ndim.
-    decay = lambda params: _map_names(params, lambda name: name in ("kernel", "tok", "pos"))
-    opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay)
-    return opt, schedule
-
-
-def _map_names(tree, fn):
-    import jax
-
-    return jax.tree_util.tree_map_with_path(lambda path, _: fn(str(path[-1].key)), tree)
 
 
 def select_devices(per_process: int | None):
@@ -401,7 +176,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
         state = engine.restore(ckpt)
         old = read_metadata(ckpt, int(state.step))["extra"].get("train_config", {})
         changed = [f"{k} {old[k]!r} → {v!r}" for k, v in extra["train_config"].items()
-                   if k in _TRAJECTORY and k in old and old[k] != v]
+                   if k in TRAJECTORY and k in old and old[k] != v]
         if changed:
             notes.append("resumed with other options than saved: " + ", ".join(changed))
     else:
