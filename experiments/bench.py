@@ -92,9 +92,8 @@ def setup_backend(args) -> list[str]:
         return []
     if args.overlap != "flags":
         return []
-    c = PRESETS[args.preset]  # one layer's compute bytes, without starting the backend
-    layer = (4 * c.d_model**2 + 2 * c.d_model * c.d_ff + 9 * c.d_model + c.d_ff) \
-        * np.dtype(DTYPES[args.param_dtype]).itemsize
+    # one layer's compute bytes, without starting the backend
+    layer = PRESETS[args.preset].layer_params * np.dtype(DTYPES[args.param_dtype]).itemsize
     return apply_overlap_flags(combine_threshold_bytes=max(layer, DEFAULT_COMBINE_BYTES))
 
 

@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from zerojax.accounting import estimate, format_bytes
+from zerojax.precision import DTYPES
 
 
 def make_console(quiet: bool) -> Console:
@@ -186,7 +187,7 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg):
     """The ZeRO paper's per-device model-state bytes for this run (fp32 Adam: K = 12)."""
-    size = {"float32": 4}.get(cfg.param_dtype, 2)
+    size = np.dtype(DTYPES[cfg.param_dtype]).itemsize
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
                     optimizer_bytes=12, replica=cfg.replica)
 

@@ -51,10 +51,9 @@ def start_runtime(cfg: TrainConfig) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
     if cfg.xla_overlap:
         from zerojax.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
+        from zerojax.precision import DTYPES
 
-        c = PRESETS[cfg.model]
-        layer = (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) * (4 if cfg.param_dtype ==
-                                                                "float32" else 2)
+        layer = PRESETS[cfg.model].layer_params * np.dtype(DTYPES[cfg.param_dtype]).itemsize
         apply_overlap_flags(combine_threshold_bytes=max(layer, DEFAULT_COMBINE_BYTES))
 
     from zerojax.mesh import initialize_distributed

@@ -34,6 +34,12 @@ class GPTConfig:
                 f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
             )
 
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: ln1, ln2, qkv, out, fc, mlp out (with biases)."""
+        d, f = self.d_model, self.d_ff
+        return 4 * d * d + 2 * d * f + 9 * d + f
+
 
 PRESETS: dict[str, GPTConfig] = {
     # parity tests: compiles in seconds on CPU
@@ -187,9 +193,8 @@ class GPT:
 
     def num_params(self) -> int:
         c = self.cfg
-        d, f, V = c.d_model, c.d_ff, c.vocab_size
-        block = 4 * d * d + 2 * d * f + 9 * d + f  # ln1, ln2, qkv, out, fc, mlp out (+biases)
-        return V * d + c.seq_len * d + c.n_layers * block + 2 * d + d * V
+        d, V = c.d_model, c.vocab_size
+        return V * d + c.seq_len * d + c.n_layers * c.layer_params + 2 * d + d * V
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6*N + 12*L*T*d (PaLM app. B), N without embedding tables.
