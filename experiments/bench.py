@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
 from zerojax.mesh import DATA, put_batch
 from zerojax.models import GPT
 from zerojax.models.gpt import PRESETS
-from zerojax.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
 from zerojax.precision import DTYPES
 from zerojax.units import PlainUnits
 
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="subset to run (the GSPMD FSDP baseline always runs)")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each variant")
     p.add_argument("--overlap", choices=("off", "flags", "o1"), default="off",
-                   help="GPU overlap: zerojax.overlap XLA flags, or JAX_OPTIMIZATION_LEVEL=O1")
+                   help="GPU overlap: zerojax.app.overlap XLA flags, or JAX_OPTIMIZATION_LEVEL=O1")
     p.add_argument("--peak-flops", type=float, default=None, help="per-device peak for MFU")
     p.add_argument("--hlo", nargs="?", const="", metavar="DIR",
                    help="also report compiled-HLO collectives, op counts and peak memory "

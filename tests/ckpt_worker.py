@@ -143,7 +143,7 @@ def _peak_rss() -> int:
 
 
 def rss(args) -> None:
-    from zerojax.export import export_main
+    from zerojax.checkpoint.export import export_main
 
     t = time.perf_counter()
     rc = export_main([args.checkpoint, "--out", args.out])

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from zerojax.accounting import (
+from zerojax.analysis.accounting import (
     CommEstimate,
     EstimateError,
     MemoryEstimate,

@@ -1,4 +1,4 @@
-"""experiments/bench.py end to end on the tiny preset, its HLO accounting, and zerojax.overlap."""
+"""experiments/bench.py end to end on the tiny preset, its HLO accounting, and app/overlap.py."""
 
 import importlib.util
 import json
@@ -134,7 +134,7 @@ def test_hlo_stats_weights_loop_bodies_by_trip_count():
 
 OVERLAP = textwrap.dedent("""\
     import os
-    from zerojax.overlap import apply_overlap_flags, xla_overlap_flags
+    from zerojax.app.overlap import apply_overlap_flags, xla_overlap_flags
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     assert apply_overlap_flags(platform="cpu") == []
     added = apply_overlap_flags(platform="gpu", combine_threshold_bytes=2**20)
@@ -150,7 +150,7 @@ OVERLAP = textwrap.dedent("""\
 
 
 def test_overlap_flags_are_accepted_by_xla_and_only_set_before_the_backend():
-    from zerojax.overlap import xla_overlap_flags
+    from zerojax.app.overlap import xla_overlap_flags
 
     flags = xla_overlap_flags()
     assert [f.split("=")[0] for f in flags] == [

@@ -21,8 +21,8 @@ import pytest
 from helpers import CLIP, adamw, assert_tree_close, gpt_batch, tiny_gpt
 
 import zerojax as zj
-from zerojax import checkpoint as ck
-from zerojax import export as ex
+from zerojax.checkpoint import export as ex
+from zerojax.checkpoint import store as ck
 from zerojax.models import GPT
 from zerojax.models.gpt import GPTConfig
 from zerojax.units import PlainUnits

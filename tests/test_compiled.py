@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.accounting import lower
+from zerojax.analysis.accounting import lower
 from zerojax.models import GPT, PRESETS, GPTConfig
 
 N, BATCH = 8, 8

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from zerojax import data
-from zerojax.data import DataError, TokenBatches, embedded_corpus, eval_batches, load_tokens
+from zerojax.app import data
+from zerojax.app.data import DataError, TokenBatches, embedded_corpus, eval_batches, load_tokens
 
 MAX_BYTES = 2**20
 

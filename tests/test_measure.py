@@ -20,8 +20,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.accounting import estimate, lower, measure, state_bytes
-from zerojax.hlo import collective_bytes
+from zerojax.analysis.accounting import estimate, lower, measure, state_bytes
+from zerojax.analysis.hlo import collective_bytes
 from zerojax.models import GPT
 
 PRESET = "small8"

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax as zj
+from zerojax.analysis.planning import estimate_main, measure_main, parse_bytes, plan, plan_main
 from zerojax.models import GPT
-from zerojax.planning import estimate_main, measure_main, parse_bytes, plan, plan_main
 
 MB = 1e6
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerojax import options, sample, train
-from zerojax.data import embedded_corpus
+from zerojax.app import options, sample, train
+from zerojax.app.data import embedded_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 # The "test" preset has a 64-token vocabulary: bytes folded into it keep the runs tiny.

@@ -1,6 +1,12 @@
-"""zerojax: ZeRO stages 0–3 as explicit shard_map programs on a JAX device mesh."""
+"""zerojax: ZeRO stages 0–3 as explicit shard_map programs on a JAX device mesh.
 
-from zerojax.accounting import (
+The ZeRO core is this folder's modules; `analysis/`, `checkpoint/` and `app/` are its wings
+(they use the core, the core uses none of them), `models/` the reference models.
+"""
+
+import importlib
+
+from zerojax.analysis.accounting import (
     CommEstimate,
     EstimateError,
     Measurement,
@@ -9,11 +15,11 @@ from zerojax.accounting import (
     estimate,
     measure,
 )
+from zerojax.analysis.planning import PlanResult, plan
 from zerojax.config import ZeroConfig
 from zerojax.engine import Engine
 from zerojax.errors import BatchError, CheckpointError, ConfigError, MeshError, ModelError
 from zerojax.mesh import initialize_distributed, make_mesh
-from zerojax.planning import PlanResult, plan
 from zerojax.protocol import Model, Units
 from zerojax.step import TrainState
 
@@ -42,3 +48,10 @@ __all__ = [
     "measure",
     "plan",
 ]
+
+
+def __getattr__(name: str):
+    # `zerojax.checkpoint` without importing orbax for those who never checkpoint.
+    if name == "checkpoint":
+        return importlib.import_module("zerojax.checkpoint")
+    raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

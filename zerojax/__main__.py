@@ -1,5 +1,5 @@
 import sys
 
-from zerojax.cli import main
+from zerojax.app.cli import main
 
 sys.exit(main())

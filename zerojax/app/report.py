@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from zerojax.accounting import estimate, format_bytes
+from zerojax.analysis.accounting import estimate, format_bytes
 from zerojax.precision import DTYPES
 
 

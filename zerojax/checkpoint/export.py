@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint import STATE, _dir, _keys, _np_checksum, _open, _why
+from zerojax.checkpoint.store import STATE, _dir, _keys, _np_checksum, _open, _why
 from zerojax.errors import CheckpointError
 
 

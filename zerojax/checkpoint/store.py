@@ -1,5 +1,5 @@
 """Checkpoints in the logical layout: orbax save/restore onto any mesh and stage
-(export to safetensors: zerojax/export.py).
+(export to safetensors: export.py beside this file).
 
 A step directory holds two orbax items: "state" (master params and optimizer state in their
 logical shapes, no padding, plus the step counter and loss scale) and "meta" (JSON: zerojax

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.hlo import collective_bytes, collectives
+from zerojax.analysis.hlo import collective_bytes, collectives
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
 
@@ -195,7 +195,7 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
 
 # --- Measurement from compiled programs --------------------------------------------------------
 #
-# Every figure is per device. XLA's buffer assignment gives the memory; zerojax.hlo reads the
+# Every figure is per device. XLA's buffer assignment gives the memory; hlo.py reads the
 # collectives from the program text.
 
 

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerojax.data import DataError, eval_batches
-from zerojax.errors import ZeroError
-from zerojax.models import PRESETS
-from zerojax.options import (
+from zerojax.app.data import DataError, eval_batches
+from zerojax.app.options import (
     TRAJECTORY,
     TrainConfig,
     UsageError,
@@ -30,6 +28,8 @@ from zerojax.options import (
     parse_args,
     validate,
 )
+from zerojax.errors import ZeroError
+from zerojax.models import PRESETS
 
 DEFAULT_CPU_DEVICES = 4
 _FORCE = "--xla_force_host_platform_device_count"
@@ -50,7 +50,7 @@ def start_runtime(cfg: TrainConfig) -> None:
         flags.append(f"{_FORCE}={cfg.devices or DEFAULT_CPU_DEVICES}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     if cfg.xla_overlap:
-        from zerojax.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
+        from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
         from zerojax.precision import DTYPES
 
         layer = PRESETS[cfg.model].layer_params * np.dtype(DTYPES[cfg.param_dtype]).itemsize
@@ -137,9 +137,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
-    from zerojax import report
+    from zerojax.app import report
+    from zerojax.app.data import TokenBatches
     from zerojax.config import ZeroConfig
-    from zerojax.data import TokenBatches
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
     from zerojax.models import get_model

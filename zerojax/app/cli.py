@@ -8,12 +8,14 @@ import sys
 # command -> (module, function, one-line help). Each function takes argv (list[str]) and
 # returns an exit code.
 COMMANDS = {
-    "train": ("zerojax.train", "main", "train a GPT preset on the embedded corpus or a file"),
-    "sample": ("zerojax.sample", "sample_main", "generate text from a trained checkpoint"),
-    "estimate": ("zerojax.planning", "estimate_main", "ZeRO paper memory/comm per device"),
-    "measure": ("zerojax.planning", "measure_main", "memory/comm measured from compiled steps"),
-    "plan": ("zerojax.planning", "plan_main", "the cheapest configuration that fits"),
-    "export": ("zerojax.export", "export_main", "consolidated fp32 params from a checkpoint"),
+    "train": ("zerojax.app.train", "main", "train a GPT preset on the embedded corpus or a file"),
+    "sample": ("zerojax.app.sample", "sample_main", "generate text from a trained checkpoint"),
+    "estimate": ("zerojax.analysis.planning", "estimate_main", "ZeRO paper memory/comm per device"),
+    "measure": ("zerojax.analysis.planning", "measure_main",
+                "memory/comm measured from compiled steps"),
+    "plan": ("zerojax.analysis.planning", "plan_main", "the cheapest configuration that fits"),
+    "export": ("zerojax.checkpoint.export", "export_main",
+               "consolidated fp32 params from a checkpoint"),
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import tyro
 
-from zerojax.data import embedded_corpus, load_tokens, split_tokens
+from zerojax.app.data import embedded_corpus, load_tokens, split_tokens
 from zerojax.models import PRESETS
 
 # Options that change a run's trajectory (the data order or the updates), unlike devices,

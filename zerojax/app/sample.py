@@ -10,8 +10,8 @@ from typing import Annotated
 import numpy as np
 import tyro
 
+from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps, make_optimizer
 from zerojax.errors import ZeroError
-from zerojax.options import TrainConfig, UsageError, checkpoint_steps, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

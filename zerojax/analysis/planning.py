@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from zerojax.accounting import (
+from zerojax.analysis.accounting import (
     STAGES,
     EstimateError,
     comm_estimate,
@@ -95,11 +95,11 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     import jax
     import optax
 
-    from zerojax.accounting import lower, measure_lowered, state_bytes
+    from zerojax.analysis.accounting import lower, measure_lowered, state_bytes
+    from zerojax.analysis.hlo import collectives
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import BatchError
-    from zerojax.hlo import collectives
     from zerojax.mesh import make_mesh
 
     optimizer = optax.adamw(3e-4) if optimizer is None else optimizer
@@ -297,7 +297,7 @@ def measure_main(argv: list[str]) -> int:
     _start_devices(p, a.devices)
     import optax
 
-    from zerojax.accounting import measure
+    from zerojax.analysis.accounting import measure
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import ZeroError

@@ -1,0 +1,9 @@
+"""Persistence: orbax checkpoints in the logical layout (`store`) and safetensors export
+(`export`). Both read and write the same step directories; neither is imported by the core
+until a save, restore or export asks for it."""
+
+from zerojax.checkpoint.export import export, load_exported
+from zerojax.checkpoint.store import read_metadata, restore, save, steps, wait_until_finished
+
+__all__ = ["export", "load_exported", "read_metadata", "restore", "save", "steps",
+           "wait_until_finished"]
