@@ -1,6 +1,8 @@
 """Checkpoints: exact resume per stage, restore across N and stage, killed saves, errors, export."""
 
 import functools
+import gc
+import importlib
 import json
 import os
 import queue
@@ -21,18 +23,15 @@ import pytest
 from helpers import CLIP, adamw, assert_tree_close, gpt_batch, tiny_gpt
 
 import zerojax as zj
-from zerojax.checkpoint import export as ex
+from zerojax.app import sample, train
 from zerojax.checkpoint import store as ck
 from zerojax.models import GPT
 from zerojax.models.gpt import GPTConfig
 from zerojax.units import PlainUnits
 
+ex = importlib.import_module("zerojax.checkpoint.export")  # the package's `export` is the function
 BATCH = 24
 WORKER = Path(__file__).with_name("ckpt_worker.py")
-
-# After a failed read of a damaged file, orbax leaves a tensorstore callback behind that later
-# fires into its closed event loop; pytest reports it wherever the garbage collector runs.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def make_engine(stage, n, model=None, optimizer=None, **cfg):
@@ -280,19 +279,25 @@ def test_missing_and_empty_directories(ref, tmp_path):
     assert engine.plan is None  # a failed restore leaves the engine as it was
 
 
-def _damaged(ref, tmp_path, how):
-    d = tmp_path / "ckpt"
-    shutil.copytree(ref.dir, d)
-    files = [p for p in (d / "3" / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+def _damaged(ref, tmp_path, how, d=None, step=3):
+    """A copy of the reference step 3 (or `d`'s `step`) with every array data file damaged."""
+    if d is None:
+        d = tmp_path / "ckpt"
+        shutil.copytree(ref.dir, d)
+    files = [p for p in (d / str(step) / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
     assert files
     for f in files:  # every array data file, so the params are hit too
         data = bytearray(f.read_bytes())
         if how == "truncate":
             data = data[: len(data) // 2]
-        else:
+        elif how == "flip":
             mid = len(data) // 2
             data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
-        f.write_bytes(bytes(data))
+        f.unlink()
+        if how == "unreadable":
+            f.mkdir()
+        elif how != "missing":
+            f.write_bytes(bytes(data))
     return d
 
 
@@ -371,6 +376,134 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
         assert ex.export_main(args) == rc
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("zerojax export: error:"), lines
+
+
+# ---------------------------------------------------------------- damaged steps, run directories
+
+
+def one_line(capsys, prefix: str) -> str:
+    """The single stderr line a CLI wrote for a bad checkpoint."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), lines
+    return lines[0]
+
+
+def edit_record(d, edit, step=3):
+    record = Path(d) / str(step) / "meta" / "metadata"
+    meta = json.loads(record.read_text())
+    edit(meta)
+    record.write_text(json.dumps(meta))
+
+
+def test_renamed_record_field_is_one_clear_error(ref, tmp_path, capsys, monkeypatch):
+    """Every command names the step and the missing field; no KeyError escapes."""
+    run = tmp_path / "run"
+    shutil.copytree(ref.dir, run / "checkpoints")
+    rename = lambda m: m["params"][0].update(shap=m["params"][0].pop("shape"))
+    edit_record(run / "checkpoints", rename)
+    msg = (r"metadata .*checkpoints/3/meta of step 3: params leaf \['blocks'\]\['attn'\]\['out'\]"
+           r"\['bias'\] has no field 'shape' \(renamed or removed\)")
+    with pytest.raises(zj.CheckpointError, match=msg):
+        shared_engine(3, 8).restore(run)
+    assert ex.export_main([str(run), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert "has no field 'shape'" in one_line(capsys, "zerojax export: error: ")
+    assert sample.sample_main([str(run)]) == 2
+    assert "has no field 'shape'" in one_line(capsys, "zerojax sample: error: ")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    np.save(tmp_path / "tokens.npy", np.arange(2**14, dtype=np.uint16) % 64)
+    assert train.main(["--model", "test", "--data", str(tmp_path / "tokens.npy"), "--batch",
+                       "8", "--devices", "2", "--steps", "4", "--quiet", "--resume",
+                       "--out", str(run)]) == 2
+    assert "has no field 'shape'" in one_line(capsys, "zerojax train: error: ")
+    edit_record(run / "checkpoints", lambda m: m.update(format_version=1))
+    with pytest.raises(zj.CheckpointError, match="has format version 1, whose order-free "
+                                                 "checksums this zerojax no longer verifies"):
+        ck.read_metadata(run)
+
+
+def test_missing_array_index(ref, tmp_path, capsys):
+    d = tmp_path / "ckpt"
+    shutil.copytree(ref.dir, d)
+    (d / "3" / "state" / "_METADATA").unlink()
+    with pytest.raises(zj.CheckpointError, match=r"arrays of step 3 of .*: their index "
+                                                 r"state/_METADATA is missing$"):
+        shared_engine(3, 8).restore(d)
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert "state/_METADATA is missing" in one_line(capsys, "zerojax export: error: ")
+
+
+@pytest.mark.parametrize("how", ["missing", "truncate", "unreadable"])
+def test_damaged_data_names_step_leaf_and_cause(ref, tmp_path, how, capsys, monkeypatch):
+    """Restore names what export names, and leaves no callback to fire later (a traceback)."""
+    d = _damaged(ref, tmp_path, how)
+    stray = []
+    monkeypatch.setattr(sys, "unraisablehook", stray.append)
+    with pytest.raises(zj.CheckpointError) as e:
+        shared_engine(3, 8).restore(d)
+    first = r"params\['blocks'\]\['attn'\]\['out'\]\['bias'\] of step 3 of "
+    assert e.match(rf"^cannot read {first}\S+: ValueError: [A-Z_]+: .*\S")
+    assert e.value.intact_steps == []
+    time.sleep(0.5)
+    gc.collect()
+    assert stray == []
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert one_line(capsys, f"zerojax export: error: cannot read {first}".replace("\\", ""))
+
+
+def test_checksum_sees_swapped_rows_and_the_scalars(ref, tmp_path, capsys):
+    """Data moved within a leaf (rows swapped, a kernel transposed), step counter and loss
+    scale changed, under the original record: each named."""
+    engine = shared_engine(3, 8)
+    tree, _ = ck._saver(engine)[0](engine.restore(ref.dir))
+    p = tree["params"]
+    tok, kernel = p["embed"]["tok"], p["blocks"]["attn"]["out"]["kernel"]
+    assert kernel.shape == (2, 32, 32) and not np.array_equal(tok[1], tok[2])
+    p["embed"]["tok"] = tok.at[jnp.array([1, 2])].set(tok[jnp.array([2, 1])])
+    p["blocks"]["attn"]["out"]["kernel"] = jnp.swapaxes(kernel, 1, 2)
+    tree["step"] = tree["step"] + 1
+    tree["loss_scale"]["good_steps"] = tree["loss_scale"]["good_steps"] + 1
+    d = tmp_path / "ckpt"
+    meta = json.loads((ref.dir / "3" / "meta" / "metadata").read_text())
+    mngr = ck._manager(d, create=True)
+    mngr.save(3, args=ck.ocp.args.Composite(state=ck.ocp.args.StandardSave(tree),
+                                            meta=ck.ocp.args.JsonSave(meta)))
+    mngr.wait_until_finished()
+    with pytest.raises(zj.CheckpointError, match=(
+            r"corrupted: checksum mismatch in params\['blocks'\]\['attn'\]\['out'\]\['kernel'\]; "
+            r"params\['embed'\]\['tok'\]; \['loss_scale'\]\['good_steps'\]; \['step'\]$")):
+        engine.restore(d)
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert one_line(capsys, "zerojax export: error: ").endswith(
+        "corrupted: checksum mismatch in params['blocks']['attn']['out']['kernel']")
+
+
+def test_damaged_latest_names_the_intact_older_steps(ref, tmp_path):
+    d = tmp_path / "ckpt"
+    for step, src in ((1, ref.dir / "3"), (3, ref.dir / "3"), (5, ref.dir5 / "5")):
+        shutil.copytree(src, d / str(step))
+    (d / "1" / "meta" / "metadata").write_text("{")  # step 1: damaged too
+    _damaged(ref, tmp_path, "flip", d=d, step=5)
+    engine = shared_engine(3, 8)
+    with pytest.raises(zj.CheckpointError, match=r"^\S+ .*step 5 of .*; intact older steps, "
+                                                 r"newest first: \[3\]; restore one with "
+                                                 r"step=3$") as e:
+        engine.restore(d)
+    assert e.value.intact_steps == [3]
+    with pytest.raises(zj.CheckpointError) as e:
+        engine.restore(d, step=5)
+    assert e.value.intact_steps == [] and "intact" not in str(e.value)
+    assert_bitwise(engine.params(engine.restore(d, step=3)), ref.params)
+
+
+def test_run_directory_is_a_checkpoint_directory(ref, tmp_path):
+    """`train --out` directories (holding checkpoints/) work wherever checkpoints do."""
+    run = tmp_path / "run"
+    shutil.copytree(ref.dir, run / "checkpoints")
+    assert ck.steps(run) == [3] and ck.read_metadata(run)["step"] == 3
+    assert_bitwise(shared_engine(3, 8).params(shared_engine(3, 8).restore(run)), ref.params)
+    out = tmp_path / "p.safetensors"
+    assert ex.export_main([str(run), "--out", str(out)]) == 0
+    assert_bitwise(ex.load_exported(out), ref.params)
 
 
 # ---------------------------------------------------------------- export memory

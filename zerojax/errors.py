@@ -22,4 +22,11 @@ class ModelError(ZeroError):
 
 
 class CheckpointError(ZeroError):
-    """A checkpoint that is incomplete, corrupted, or of another model or layout."""
+    """A checkpoint that is incomplete, corrupted, or of another model or layout.
+
+    `intact_steps`: when restoring the latest step failed because it is damaged, the older
+    steps that restore, newest first (else empty)."""
+
+    def __init__(self, *args, intact_steps=()):
+        super().__init__(*args)
+        self.intact_steps: list[int] = list(intact_steps)

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.store import STATE, _dir, _keys, _np_checksum, _open, _why
+from zerojax.checkpoint.record import np_checksum, why
+from zerojax.checkpoint.store import _dir, _open, _open_array, _stored
 from zerojax.errors import CheckpointError
 
 
@@ -46,20 +46,16 @@ def _slabs(shape, chunk):
 
 def export(directory, out, step: int | None = None) -> Path:
     """Writes the fp32 params of `step` (default: latest) to a `.safetensors` file, leaf by
-    leaf and chunk by chunk, so host memory stays near one stored chunk."""
-    import tensorstore as ts
+    leaf and chunk by chunk, so host memory stays near one stored chunk.
 
+    `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`."""
     out = Path(os.fspath(out))
     if out.suffix != ".safetensors":
         raise ValueError(f"--out {out} must end in .safetensors")
-    mngr, step, meta = _open(directory, step)
-    where = f"step {step} of {_dir(directory)}"
-    try:
-        stored = mngr.item_metadata(step)[STATE]
-    except Exception as e:
-        raise CheckpointError(f"cannot read {where}: {_why(e)}") from None
-    arrays = {tuple(_keys(p)): m for p, m in jax.tree.flatten_with_path(
-        stored.tree["params"], is_leaf=lambda x: hasattr(x, "dtype"))[0]}
+    _, step, meta = _open(directory, step)
+    path = _dir(directory)
+    where = f"step {step} of {path}"
+    arrays_dir, arrays, use_zarr3 = _stored(path, step, where)
     header, offsets = _header(meta, step)
     # Few threads: each keeps its own malloc arena of decoded chunks (measured: half the peak).
     ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True, file_io_concurrency_limit=4,
@@ -70,22 +66,20 @@ def export(directory, out, step: int | None = None) -> Path:
             f.write(header)
             base = len(header)
             for d, off in zip(meta["params"], offsets, strict=True):
-                m = arrays.get(tuple(d["keys"]))
-                if m is None or tuple(m.shape) != tuple(d["shape"]):
-                    raise CheckpointError(f"{where}: params{d['path']} is missing or has "
-                                          f"another shape than the record")
-                info = ocp.type_handlers.ParamInfo(
-                    name=m.name, parent_dir=m.directory, use_zarr3=stored.use_zarr3,
-                    is_ocdbt_checkpoint=ocp.type_handlers.is_ocdbt_checkpoint(m.directory),
-                    ts_context=ctx)
-                spec = ocp.type_handlers.get_json_tspec_read(info, info.is_ocdbt_checkpoint)
+                name = arrays.get(("params", *d["keys"]))
+                if name is None:
+                    raise CheckpointError(f"cannot read params{d['path']} of {where}: it is "
+                                          f"not among the stored arrays")
                 try:
-                    t = ts.open(ts.Spec(spec), open=True, context=ctx).result()
+                    t = _open_array(arrays_dir, name, use_zarr3, ctx).result()
+                    if tuple(t.shape) != tuple(d["shape"]):
+                        raise ValueError(f"stored with shape {tuple(t.shape)}, recorded as "
+                                         f"{tuple(d['shape'])}")
                     total = _write_leaf(f, t, base + off, tuple(d["shape"]))
                 except Exception as e:  # tensorstore reports damaged files as ValueError etc.
                     raise CheckpointError(f"cannot read params{d['path']} of {where}: "
-                                          f"{_why(e)}") from None
-                if d.get("checksum") is not None and d["checksum"] != total:
+                                          f"{why(e)}") from None
+                if d["checksum"] != total:
                     raise CheckpointError(f"{where} is corrupted: checksum mismatch in "
                                           f"params{d['path']}")
         os.replace(tmp, out)
@@ -101,7 +95,7 @@ def _write_leaf(f, t, pos: int, shape: tuple[int, ...]) -> int:
     row = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
     for split, box in _slabs(shape, chunk):
         x = np.ascontiguousarray(t[box].read().result(), dtype=np.float32)
-        total = (total + _np_checksum(x)) % 2**32
+        total = (total + np_checksum(x, shape, [s.start or 0 for s in box])) % 2**32
         if not split:
             os.pwrite(f.fileno(), memoryview(x.reshape(-1)).cast("B"), pos)
             continue
@@ -136,7 +130,8 @@ def export_main(argv: list[str]) -> int:
     """`python -m zerojax export CHECKPOINT [--step S] --out FILE.safetensors`."""
     p = _Parser(prog="python -m zerojax export",
                 description="Write the consolidated fp32 params of a zerojax checkpoint.")
-    p.add_argument("checkpoint", help="checkpoint directory (as passed to engine.save)")
+    p.add_argument("checkpoint", help="checkpoint directory (as passed to engine.save), or a "
+                                      "train --out directory")
     p.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
     p.add_argument("--out", required=True, help="output file, .safetensors")
     try:

@@ -1,16 +1,19 @@
 """Checkpoints in the logical layout: orbax save/restore onto any mesh and stage
-(export to safetensors: export.py beside this file).
+(record and checksums: record.py; export to safetensors: export.py).
 
 A step directory holds two orbax items: "state" (master params and optimizer state in their
 logical shapes, no padding, plus the step counter and loss scale) and "meta" (JSON: zerojax
 version, model structure with each leaf's units flag, stage, mesh, dtypes, optimizer state
 structure, per-leaf checksums, and the user's `extra`). Orbax writes each step into a
 temporary directory and renames it when complete, so a killed save leaves no step behind.
+Restore reads each stored array straight into its sharding with tensorstore (no event loop
+left behind by a failed read), so a damaged file is reported with its leaf.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import weakref
@@ -21,17 +24,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.checkpoint.record import (
+    FORMAT,
+    FORMAT_VERSION,
+    check_record,
+    describe,
+    leaf_checksums,
+    named_leaves,
+    parts,
+    unparts,
+    why,
+)
 from zerojax.errors import CheckpointError
 from zerojax.mesh import DATA
 from zerojax.partition import Layout, LeafSpec, pad_flat, unpad
 from zerojax.precision import LossScale
 
-FORMAT, FORMAT_VERSION = "zerojax-checkpoint", 1
 STATE, META = "state", "meta"
+RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
 KEEP: int | None = None  # default number of most recent steps a save keeps; None keeps all
 
 _MANAGERS: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
@@ -57,7 +70,7 @@ def _saver(engine):
                 "step": state.step,
                 "loss_scale": {"scale": state.loss_scale.scale,
                                "good_steps": state.loss_scale.good_steps}}
-        return tree, _sums(tree)
+        return tree, leaf_checksums(tree)
 
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
     dtypes = [jnp.dtype(m.dtype).name for m in jax.tree.leaves(model)]
@@ -102,44 +115,17 @@ def _abstract(engine, layout: Layout):
             "loss_scale": {"scale": scalar(jnp.float32), "good_steps": scalar(jnp.int32)}}
 
 
-def _checksum(x) -> jax.Array:
-    """Order-free uint32 sum of the bit patterns: the same for any sharding or slab order."""
-    x = jnp.asarray(x)
-    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
-
-
-def _np_checksum(x: np.ndarray) -> int:
-    x = np.ascontiguousarray(x)
-    bits = x.view(f"uint{8 * x.dtype.itemsize}").astype(np.uint32, copy=False)
-    return int(bits.sum(dtype=np.uint32))
-
-
-def _sums(tree) -> list[jax.Array]:
-    """Checksums of the params and optimizer-state leaves, in record order."""
-    return [_checksum(x) for x in jax.tree.leaves([tree["params"], tree["opt_state"]])]
-
-
-def _keys(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-
-
-def _describe(tree, sums=None) -> list[dict]:
-    out = []
-    for i, (path, x) in enumerate(jax.tree.flatten_with_path(tree)[0]):
-        out.append({"path": jax.tree_util.keystr(path), "keys": _keys(path),
-                    "shape": list(jnp.shape(x)), "dtype": jnp.dtype(x.dtype).name})
-        if sums is not None:
-            out[-1]["checksum"] = sums[i]
-    return out
-
-
 # ---------------------------------------------------------------- save / restore
 
 
 def _dir(directory) -> Path:
-    return Path(os.fspath(directory)).absolute()
+    """The checkpoint directory `directory` names: itself, or the `checkpoints/` of a training
+    run directory (one holding `checkpoints/` and no steps of its own)."""
+    path = Path(os.fspath(directory)).absolute()
+    run = path / RUN_CHECKPOINTS
+    if run.is_dir() and not any(p.name[:1].isdigit() for p in path.iterdir()):
+        return run
+    return path
 
 
 def _manager(path: Path, keep: int | None = None, create: bool = False):
@@ -181,15 +167,17 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     tree, sums = to_logical(state)
     sums = [int(x) for x in jax.device_get(sums)]
     n_params = len(layout.leaves)
+    n_state = n_params + len(jax.tree.leaves(tree["opt_state"]))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "zerojax_version": zerojax.__version__, "step": step, "stage": cfg.stage,
             "mesh": {"replica": engine.replica, "data": engine.data},
             "param_dtype": cfg.param_dtype, "dynamic_loss_scale": cfg.dynamic_scale,
             "params": [dict(d, stacked=leaf.stacked, dtype=dtype)
-                       for d, leaf, dtype in zip(_describe(tree["params"], sums[:n_params]),
+                       for d, leaf, dtype in zip(describe(tree["params"], sums[:n_params]),
                                                  layout.leaves, dtypes, strict=True)],
             "opt_state": {"treedef": str(jax.tree.structure(tree["opt_state"])),
-                          "leaves": _describe(tree["opt_state"], sums[n_params:])},
+                          "leaves": describe(tree["opt_state"], sums[n_params:n_state])},
+            "scalars": describe(parts(tree)[2], sums[n_state:]),
             "extra": extra}
     cached = _MANAGERS.get(str(path))
     if cached is None or cached[1] != keep:
@@ -208,53 +196,57 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     return step
 
 
-def _why(e: Exception) -> str:
-    """One line about a read error (tensorstore appends its whole spec in JSON)."""
-    return f"{type(e).__name__}: {str(e).split(' [tensorstore_spec=')[0]}".splitlines()[0]
-
-
-def _open(directory, step: int | None):
-    """(manager, step, metadata) of a complete step; clear errors for anything else."""
+def _complete(directory) -> tuple[Path, ocp.CheckpointManager, list[int]]:
+    """(checkpoint directory, its manager, its complete steps oldest first)."""
     path = _dir(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     wait_until_finished(path)
     mngr = _manager(path)
-    steps = sorted(mngr.all_steps())
+    return path, mngr, sorted(mngr.all_steps())
+
+
+def _pick(path: Path, steps: list[int], step: int | None) -> int:
     if not steps:
         partial = sorted(p.name for p in path.iterdir() if "tmp" in p.name)
         raise CheckpointError(f"{path} holds no complete checkpoint step"
                               + (f" (incomplete saves: {', '.join(partial)})" if partial else ""))
     if step is None:
-        step = steps[-1]
-    elif step not in steps:
+        return steps[-1]
+    if step not in steps:
         raise CheckpointError(f"{path} has no complete step {step}; complete steps: {steps}")
+    return step
+
+
+def _record(mngr, path: Path, step: int) -> dict:
+    """The checked metadata record of a complete step."""
     where = path / str(step) / META
     try:
         meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # orbax raises many types for a missing or garbled file
         raise CheckpointError(f"cannot read checkpoint metadata {where} of step {step}: "
-                              f"{_why(e)}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not a zerojax checkpoint record (step {step})")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{where} has format version {meta['format_version']}, newer "
-                              f"than this zerojax reads ({FORMAT_VERSION}); upgrade zerojax")
-    return mngr, step, meta
+                              f"{why(e)}") from None
+    check_record(meta, f"checkpoint metadata {where} of step {step}")
+    return meta
+
+
+def _open(directory, step: int | None):
+    """(manager, step, metadata) of a complete step; clear errors for anything else."""
+    path, mngr, complete = _complete(directory)
+    step = _pick(path, complete, step)
+    return mngr, step, _record(mngr, path, step)
 
 
 def read_metadata(directory, step: int | None = None) -> dict:
-    """The metadata record of `step` (default: the latest complete step), `extra` included."""
+    """The metadata record of `step` (default: the latest complete step), `extra` included.
+
+    `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`."""
     return _open(directory, step)[2]
 
 
 def steps(directory) -> list[int]:
-    """The complete steps in `directory`, oldest first."""
-    path = _dir(directory)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    wait_until_finished(path)
-    return sorted(_manager(path).all_steps())
+    """The complete steps in `directory` (or in a run directory's `checkpoints/`), oldest first."""
+    return _complete(directory)[2]
 
 
 def _diff(kind: str, want: list[dict], got: list[dict]) -> list[str]:
@@ -270,12 +262,107 @@ def _listing(diffs: list[str], limit: int = 10) -> str:
     return "; ".join(diffs[:limit]) + more
 
 
-def restore(engine, directory, step: int | None = None):
-    """The `TrainState` of `step` (default: latest) on this engine's mesh and stage."""
-    mngr, step, meta = _open(directory, step)
-    where = f"step {step} of {_dir(directory)}"
+# ---------------------------------------------------------------- reading the arrays
+
+_READ_AHEAD = 2**30  # bytes of reads in flight during a restore: bounds its host memory
+
+
+def _stored(path: Path, step: int, where: str) -> tuple[Path, dict, bool]:
+    """(arrays directory, {key path: orbax array name}, use_zarr3) from the step's array index.
+
+    Read as JSON: orbax's reader of it also opens every array, through an event loop that a
+    damaged file leaves callbacks behind in (they fire later, into the closed loop)."""
+    directory = path / str(step) / STATE
+    index = directory / "_METADATA"
+    if not index.is_file():
+        raise CheckpointError(f"cannot read the arrays of {where}: their index "
+                              f"{STATE}/_METADATA is missing")
+    try:
+        raw = json.loads(index.read_text())
+        keys = [tuple(str(k["key"]) for k in v["key_metadata"])
+                for v in raw["tree_metadata"].values()]
+        use_zarr3 = bool(raw.get("use_zarr3", False))
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"cannot read the array index {index} of {where}: "
+                              f"{why(e)}") from None
+    return directory, {k: ".".join(k) for k in keys}, use_zarr3  # orbax's names
+
+
+def _open_array(directory: Path, name: str, use_zarr3: bool, ctx):
+    """A future of the tensorstore of one stored array."""
+    import tensorstore as ts
+    from etils import epath
+
+    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(directory)
+    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(directory),
+                                       use_zarr3=use_zarr3, is_ocdbt_checkpoint=ocdbt,
+                                       ts_context=ctx)
+    return ts.open(ts.Spec(ocp.type_handlers.get_json_tspec_read(info, ocdbt)), open=True,
+                   context=ctx)
+
+
+def _read_arrays(stored: tuple[Path, dict, bool], named, where: str) -> list[jax.Array]:
+    """Each (keys, name, ShapeDtypeStruct) of `named` read into its sharding, this process's
+    shards only. Tensorstore futures rather than orbax's event loop: a failed read leaves no
+    callback behind to fire into a closed loop, and the error names its leaf."""
+    directory, arrays, use_zarr3 = stored
+    ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    failed = lambda name, why: CheckpointError(f"cannot read {name} of {where}: {why}")
+    opened = []
+    for keys, name, _ in named:
+        if keys not in arrays:
+            raise failed(name, f"it is not among the arrays of {STATE}/_METADATA")
+        try:
+            opened.append(_open_array(directory, arrays[keys], use_zarr3, ctx))
+        except Exception as e:
+            raise failed(name, why(e)) from None
+    out, pending, in_flight = [], collections.deque(), 0
+
+    def finish():
+        nonlocal in_flight
+        name, x, reads, nbytes = pending.popleft()
+        try:
+            shards = [jax.device_put(r.result(), d) for r, devices in reads for d in devices]
+        except Exception as e:  # tensorstore reports damaged files as ValueError etc.
+            raise failed(name, why(e)) from None
+        out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards))
+        in_flight -= nbytes
+
+    for (_, name, x), future in zip(named, opened, strict=True):
+        try:
+            t = future.result()
+        except Exception as e:
+            raise failed(name, why(e)) from None
+        got = (np.dtype(t.dtype.numpy_dtype), tuple(t.shape))
+        if got != (np.dtype(x.dtype), tuple(x.shape)):
+            raise failed(name, f"stored as {got[0].name}{got[1]}, recorded as "
+                               f"{np.dtype(x.dtype).name}{tuple(x.shape)}")
+        boxes = collections.defaultdict(list)  # a replicated shard is read once
+        for d, index in x.sharding.addressable_devices_indices_map(x.shape).items():
+            boxes[tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True))].append(d)
+        reads = [(t[tuple(slice(a, b) for a, b in box)].read(), devices)
+                 for box, devices in boxes.items()]
+        nbytes = sum(int(np.prod([b - a for a, b in box])) for box in boxes) * got[0].itemsize
+        pending.append((name, x, reads, nbytes))
+        in_flight += nbytes
+        while in_flight > _READ_AHEAD and len(pending) > 1:
+            finish()
+    while pending:
+        finish()
+    return out
+
+
+# ---------------------------------------------------------------- restore
+
+
+class _Damaged(CheckpointError):
+    """A step whose record or arrays cannot be read or fail their checksums (never escapes)."""
+
+
+def _match(engine, meta: dict, where: str):
+    """(leaves, treedef, logical target tree) for this engine; errors for another model."""
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
-    diffs = _diff("params", _describe(model), meta["params"])
+    diffs = _diff("params", describe(model), meta["params"])
     if diffs:
         raise CheckpointError(f"{where} is of another model (leaves, shapes or dtypes "
                               f"differ): {_listing(diffs)}")
@@ -283,29 +370,78 @@ def restore(engine, directory, step: int | None = None):
                    for d in meta["params"])
     layout = Layout(leaves, jax.tree.structure(model), 1)
     target = _abstract(engine, layout)
-    diffs = _diff("opt_state", _describe(target["opt_state"]), meta["opt_state"]["leaves"])
+    diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
                               f"dtype?): {_listing(diffs)}")
+    return leaves, layout.treedef, target
+
+
+def _load(engine, mngr, path: Path, step: int):
+    """(verified logical tree, leaves, treedef, record) of `step` on this engine's mesh.
+
+    Damage (record, array index or arrays unreadable, checksum mismatch) raises `_Damaged`;
+    a checkpoint of another model or optimizer raises CheckpointError."""
+    where = f"step {step} of {path}"
     try:
-        tree = mngr.restore(step, args=ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(target)}))[STATE]
-    except Exception as e:  # tensorstore and orbax raise many types for damaged files
-        raise CheckpointError(f"cannot read the arrays of {where} ({_dir(directory)}/{step}/"
-                              f"{STATE}): {_why(e)}") from None
+        meta = _record(mngr, path, step)
+    except CheckpointError as e:
+        raise _Damaged(str(e)) from None
+    leaves, treedef, target = _match(engine, meta, where)
+    entries = named_leaves(target)
     records = [("params", r) for r in meta["params"]]
     records += [("opt_state", r) for r in meta["opt_state"]["leaves"]]
-    sums = jax.device_get(jax.jit(_sums)(tree))
-    bad = [kind + r["path"] for (kind, r), s in zip(records, sums, strict=True)
-           if r.get("checksum") is not None and r["checksum"] != s]
+    records += [("", r) for r in meta["scalars"]]
+    want, got = [name for _, name, _ in entries], [kind + r["path"] for kind, r in records]
+    if want != got:
+        raise _Damaged(f"{where}: the record lists the leaves {_listing(got)}, expected "
+                       f"{_listing(want)}")
+    try:
+        arrays = _read_arrays(_stored(path, step, where), entries, where)
+    except CheckpointError as e:
+        raise _Damaged(str(e)) from None
+    tree = unparts(jax.tree.unflatten(jax.tree.structure(parts(target)), arrays))
+    sums = jax.device_get(jax.jit(leaf_checksums)(tree))
+    bad = [name for name, (_, r), s in zip(want, records, sums, strict=True)
+           if r["checksum"] != s]
     if bad:
-        raise CheckpointError(f"{where} is corrupted: checksum mismatch in {_listing(bad)}")
+        raise _Damaged(f"{where} is corrupted: checksum mismatch in {_listing(bad)}")
+    return tree, leaves, treedef, meta
+
+
+def _intact(engine, mngr, path: Path, step: int) -> bool:
+    try:
+        _load(engine, mngr, path, step)
+    except CheckpointError:
+        return False
+    return True
+
+
+def restore(engine, directory, step: int | None = None):
+    """The `TrainState` of `step` (default: latest) on this engine's mesh and stage.
+
+    `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`.
+    When the latest step is damaged, the CheckpointError names the intact older steps (also
+    as its `intact_steps`, newest first), any of which restores with `step=`."""
+    path, mngr, complete = _complete(directory)
+    chosen = _pick(path, complete, step)
+    try:
+        tree, leaves, treedef, meta = _load(engine, mngr, path, chosen)
+    except _Damaged as e:
+        older = [s for s in reversed(complete) if s < chosen] if step is None else []
+        intact = [s for s in older if _intact(engine, mngr, path, s)]
+        if intact:
+            more = (f"; intact older steps, newest first: {intact}; restore one with "
+                    f"step={intact[0]}")
+        else:
+            more = f"; no older step is intact either (checked {older})" if older else ""
+        raise CheckpointError(f"{e}{more}", intact_steps=intact) from None
 
     # Only now, with the arrays read and verified, does the engine adopt the recorded units.
     plan = engine.plan
-    if plan is None or (plan.layout.leaves, plan.layout.treedef) != (leaves, layout.treedef):
-        engine.set_units(leaves, layout.treedef)
-    saved_scale = meta.get("dynamic_loss_scale") and engine.config.dynamic_scale
+    if plan is None or (plan.layout.leaves, plan.layout.treedef) != (leaves, treedef):
+        engine.set_units(leaves, treedef)
+    saved_scale = meta["dynamic_loss_scale"] and engine.config.dynamic_scale
 
     def build(tree):
         st = engine._to_state(tree["params"])
