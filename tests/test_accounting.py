@@ -1,6 +1,7 @@
 """The analytic memory and communication model against the ZeRO paper and the seeds."""
 
 import math
+import types
 
 import pytest
 
@@ -12,7 +13,10 @@ from zerojax.analysis.accounting import (
     estimate,
     estimate_table,
     format_bytes,
+    shares_master,
+    state_estimate,
 )
+from zerojax.app.report import estimate_for, memory_rows
 
 GB = 1e9
 
@@ -185,3 +189,54 @@ def test_estimate_table():
     assert rows[3]["comm"] == format_bytes(1.5 * comm_estimate(70_000_000_000, 8, 0).total)
     with pytest.raises(EstimateError, match="bogus"):
         estimate_table(1000, 8, bogus=1)
+
+
+# --- the engine's own state: estimate with each compute dtype's byte sizes -------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_state_estimate_is_the_paper_for_half_precision(dtype):
+    t = [state_estimate(7_500_000_000, 64, s, dtype) for s in range(4)]
+    assert t == [estimate(7_500_000_000, 64, s) for s in range(4)]
+    assert [m.total for m in t] == [120 * GB, 31.40625 * GB, 16.640625 * GB, 1.875 * GB]
+
+
+def test_state_estimate_float32_keeps_no_separate_master_in_stages_0_and_3():
+    psi, n = 1000, 8
+    # Stages 0 and 3 update the fp32 params in place (K = 8: the moments); stages 1-2 keep
+    # replicated fp32 params next to the fp32 master shard (K = 12).
+    assert [state_estimate(psi, n, s, "float32") for s in range(4)] == [
+        MemoryEstimate(4000, 4000, 8000, 16000),
+        MemoryEstimate(4000, 4000, 1500, 9500),
+        MemoryEstimate(4000, 500, 1500, 6000),
+        MemoryEstimate(500, 500, 1000, 2000),
+    ]
+    assert [shares_master("float32", s) for s in range(4)] == [True, False, False, True]
+    assert not any(shares_master(d, s) for d in ("bfloat16", "float16") for s in range(4))
+    assert state_estimate(1000, 16, 3, "float32", replica=2) == state_estimate(1000, 8, 3,
+                                                                                "float32")
+    with pytest.raises(EstimateError, match="param_dtype='fp8'"):
+        state_estimate(1000, 8, 1, "fp8")
+
+
+def train_cfg(dtype):
+    return types.SimpleNamespace(param_dtype=dtype, replica=1)
+
+
+def test_train_memory_rows_say_what_the_state_holds():
+    # The nano preset at stage 3 on 4 devices (the README's run).
+    psi, held = 875_264, 12 * 875_264 // 4
+    fp32 = estimate_for(psi, 4, 3, train_cfg("float32"))
+    assert fp32.state == held and fp32.shared_master
+    assert memory_rows(fp32, held + 16) == [
+        ("memory/device", "2.63 MB estimated = float32 params 875 KB (the master) + Adam "
+                          "moments 1.75 MB"),
+        ("", "2.63 MB measured: this device's shards of the state"),
+        ("", "+ grads 875 KB (float32) only while a step runs"),
+    ]
+    bf16 = estimate_for(psi, 4, 3, train_cfg("bfloat16"))
+    assert bf16.state == held + 2 * psi // 4 and not bf16.shared_master
+    assert memory_rows(bf16, 0)[0] == (
+        "memory/device", "3.06 MB estimated = bfloat16 params 438 KB + float32 master 875 KB "
+                         "+ Adam moments 1.75 MB")
+    assert bf16.as_dict()["state"] == bf16.state

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.analysis.accounting import estimate, lower, measure, state_bytes
+from zerojax.analysis.accounting import estimate, lower, measure, state_bytes, state_estimate
 from zerojax.analysis.hlo import collective_bytes
 from zerojax.models import GPT
 
@@ -66,6 +66,46 @@ def test_state_and_traffic_match_the_formulas(stage, n):
     else:  # the gradient reduce-scatter is exact; only scalar all-reduces remain
         assert sent["reduce_scatter"] == pytest.approx(comm.reduce_scatter, rel=1e-6)
         assert sent["all_reduce"] < 100
+
+
+# --- the state formula, to the byte, for every compute dtype (nothing compiled) -------------
+
+SCALARS = 4 + 4 + 4 + 4  # step, Adam's count, loss scale and its good-step count
+
+
+def tiny(stage, dtype, n=8):
+    model = GPT.from_preset("test")  # no leaf needs padding at N = 8: the formula is exact
+    cfg = zj.ZeroConfig(stage=stage, param_dtype=dtype)
+    batch = {k: jnp.zeros((n, model.cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    return zj.Engine(model, optax.adamw(3e-4), zj.make_mesh(data=n), cfg), batch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_live_state_is_the_formula_for_every_dtype(stage, dtype):
+    """The arrays `init` allocates on each device, the shapes `state_bytes` reads and
+    `state_estimate`, by component."""
+    e, b = tiny(stage, dtype)
+    live_state = e.init(jax.random.key(0), b)
+    live = {sum(s.data.nbytes for x in jax.tree.leaves(live_state) for s in x.addressable_shards
+                if s.device == d) for d in e.mesh.devices.flat}
+    state, psi = state_bytes(e), e.layout.num_params
+    assert e.layout.padded_params == psi
+    est = state_estimate(psi, 8, stage, dtype)
+    assert live == {state["total"]} == {est.total - est.grads + SCALARS}
+    # float32 in stages 0 and 3: the compute params are the fp32 master, not a second copy.
+    shared = dtype == "float32" and stage in (0, 3)
+    assert state["params"] == (0 if shared else est.params)
+    assert state["master"] == 4 * psi / (1 if stage == 0 else 8)
+    assert state["optimizer"] == 8 * psi / (1 if stage == 0 else 8) + 4
+    assert est.optimizer == (8 if shared else 12) * psi / (1 if stage == 0 else 8)
+
+
+def test_state_bytes_learns_the_units_without_compiling():
+    e, b = tiny(2, "bfloat16")
+    assert e.plan is None
+    assert state_bytes(e, b) == state_bytes(e)
+    assert e.plan is not None
 
 
 # --- compiled measurements at N = 8 -------------------------------------------------------

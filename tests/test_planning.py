@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax as zj
-from zerojax.analysis.planning import estimate_main, measure_main, parse_bytes, plan, plan_main
+from zerojax.analysis.commands import estimate_main, measure_main, parse_bytes, plan_main
+from zerojax.analysis.planning import Candidate, PlanResult, plan
 from zerojax.models import GPT
 
 MB = 1e6
@@ -20,10 +21,27 @@ def small8_batch(n):
 
 
 @pytest.fixture(scope="module")
-def roomy():
-    """Every stage of small8 on 8 devices with memory to spare (4 compiles, shared)."""
-    return plan(GPT.from_preset("small8"), 8, 1e12, small8_batch(8), remat=(True,),
-                grad_accum=(1,))
+def roomy_run():
+    """Every stage of small8 on 8 devices with memory to spare (4 compiles, shared), and the
+    progress calls the planner made."""
+    calls = []
+    result = plan(GPT.from_preset("small8"), 8, 1e12, small8_batch(8), remat=(True,),
+                  grad_accum=(1,), progress=lambda c, phase, i, n: calls.append(
+                      (c.stage, phase, i, n, c.peak_bytes is not None)))
+    return result, calls
+
+
+@pytest.fixture(scope="module")
+def roomy(roomy_run):
+    return roomy_run[0]
+
+
+def test_progress_names_each_candidate_before_it_compiles(roomy_run):
+    result, calls = roomy_run
+    # Lowered, then compiled (no result yet), then done (measured), in order.
+    assert calls == [(s, phase, s + 1, 4, phase == "done") for s in range(4)
+                     for phase in ("lowering", "compiling", "done")]
+    assert result.num_params == GPT.from_preset("small8").num_params()
 
 
 def test_everything_fits_picks_stage_0(roomy):
@@ -61,6 +79,21 @@ def test_nothing_fits_and_state_too_big_is_not_compiled():
                                          rel=1e-5)
     with pytest.raises(ValueError, match="no configuration fits"):
         result.config()
+
+
+def test_notes_explain_the_full_size_accumulator_of_stages_0_and_1():
+    def result(*cands):
+        return PlanResult(64, 80 * 10**9, list(cands), num_params=6_714_695_680)
+
+    stage1 = Candidate(1, True, 2, peak_bytes=89_430_000_000)
+    (note,) = result(Candidate(1, True, 1, peak_bytes=1), stage1).notes()
+    # 7B on 64 devices: accum 2 costs stage 1 22.1 GB more than accum 1 (67.3 -> 89.4 GB),
+    # while it saves stage 2 4.2 GB (55.1 -> 50.9 GB): 26.3 GB apart, 4Ψ(1 - 1/N) = 26.4 GB.
+    assert "full-size float32 gradient accumulator (4 B x Ψ = 26.9 GB)" in note
+    assert "1/N shard (420 MB)" in note
+    assert result(Candidate(2, True, 4, peak_bytes=1)).notes() == []
+    assert result(Candidate(1, True, 2)).notes() == []  # not compiled: no peak to explain
+    assert result(stage1).as_dict()["notes"] == [note]
 
 
 def test_indivisible_micro_batches_are_rejected_with_the_reason():
@@ -125,12 +158,58 @@ def test_plan_command_when_nothing_fits(capsys, keep_xla_flags):
     argv = ["--model", "small8", "--devices", "8", "--memory", "1MB", "--stages", "0",
             "--remat", "on", "--grad-accum", "1"]
     assert plan_main([*argv, "--json"]) == 1
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # the assumptions and the progress go to stderr
     assert out["best"] is None and out["device_memory"] == 1_000_000
     assert out["candidates"][0]["reason"].startswith("model state alone")
+    facts = out["assumptions"]
+    assert facts["global batch"] == ("8 sequences x 128 tokens (1 per device); per-device "
+                                     "micro-batch 1 for grad_accum 1")
+    assert facts["sequence length"] == "128"
+    assert facts["params and grads"] == "bfloat16 (gradients reduced in bfloat16)"
+    assert (facts["master params"], facts["optimizer"]) == ("float32",
+                                                            "AdamW (lr 0.0003), moments in float32")
+    assert facts["memory budget"].startswith("1.00 MB per device")
+    assert facts["searched"].startswith("stages 0 x remat on x grad_accum 1 = 1 candidate;")
+    for key, value in facts.items():
+        assert f"{key}:" in captured.err and value in captured.err
+    assert "stage 0, remat on, accum 1: lowering 1/1" in captured.err
+    assert "searched 1 candidate in " in captured.err
     assert plan_main(argv) == 1
     captured = capsys.readouterr()
     assert "model state alone" in captured.out and "nothing fits" in captured.err
+
+
+@pytest.mark.parametrize("main", [estimate_main, measure_main, plan_main])
+def test_help_shows_the_defaults(main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # help text is wrapped
+    expected = {estimate_main: ["K: fp32 master + Adam moments per param (default: 12)",
+                                "replica groups (hybrid) (default: 1)"],
+                measure_main: ["or e.g. 0,3 (default: all)", "per step (default: 1)",
+                               "(default: bfloat16)", "in backward (default: True)"],
+                plan_main: ["or e.g. 0,3 (default: all)", "(default: 1,2,4)",
+                            "(default: both)", "(default: bfloat16)"]}[main]
+    for text in expected:
+        assert text in out
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_measure_command_float32_state_formula_is_exact(capsys, keep_xla_flags):
+    assert measure_main(["--model", "test", "--devices", "8", "--stage", "0,3",
+                         "--param-dtype", "float32", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["assumptions"]["master params"].startswith("the float32 params themselves")
+    for m in out["measurements"]:
+        mem = m["estimate"]["memory"]
+        # 16 bytes of scalars: step, Adam's count, loss scale and its good-step count.
+        assert m["state"]["total"] == mem["total"] - mem["grads"] + 16
+        assert m["state"]["params"] == 0  # the fp32 master is the compute copy
+    assert [m["state"]["total"] for m in out["measurements"]] == [261_136, 32_656]
+    assert "stage 3, remat on, accum 1: compiling 2/2" in captured.err
 
 
 def test_measure_command_needs_a_fresh_process_for_more_devices(capsys, keep_xla_flags):

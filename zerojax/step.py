@@ -62,7 +62,14 @@ class StepPlan:
 
     @property
     def stores_compute(self) -> bool:
-        return not (self.config.param_dtype == "float32" and self.config.stage in (0, 3))
+        return stores_compute(self.config.param_dtype, self.config.stage)
+
+
+def stores_compute(param_dtype: str, stage: int) -> bool:
+    """Whether `TrainState.compute` holds compute params apart from the fp32 master."""
+    # float32 stages 0 and 3 compute on the master itself; stages 1-2 keep replicated compute
+    # params next to the master shard, so they hold both even in float32.
+    return not (param_dtype == "float32" and stage in (0, 3))
 
 
 def split_loss(out):

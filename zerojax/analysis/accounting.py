@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from zerojax.analysis.hlo import collective_bytes, collectives
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
+from zerojax.step import stores_compute
 
 # --- Analytic model --------------------------------------------------------------------------
 
@@ -100,6 +101,34 @@ def estimate(
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     optimizer = psi * optimizer_bytes / (n if stage >= 1 else 1)
     return MemoryEstimate(params, grads, optimizer, params + grads + optimizer)
+
+
+MASTER_BYTES = 4  # the fp32 master copy of a parameter
+ADAM_BYTES = 8  # Adam's two fp32 moments
+
+
+def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str = "bfloat16",
+                   *, replica: int = 1) -> MemoryEstimate:
+    """Per-device model-state bytes of a zerojax engine training with Adam in `param_dtype`.
+
+    `estimate` with the engine's byte sizes: params and grads in `param_dtype`; K = 12 (fp32
+    master + moments), except where the compute params are the fp32 master itself (float32 in
+    stages 0 and 3 keep no separate copy), where K = 8 and `params` is the master. bfloat16 and
+    float16 give the ZeRO paper's numbers. `total - grads` is what the engine keeps between
+    steps; gradients exist only inside the step.
+    """
+    if param_dtype not in DTYPES:
+        raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
+                            f"{sorted(DTYPES)}")
+    size = jnp.dtype(DTYPES[param_dtype]).itemsize
+    master = 0 if shares_master(param_dtype, stage) else MASTER_BYTES
+    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
+                    optimizer_bytes=ADAM_BYTES + master, replica=replica)
+
+
+def shares_master(param_dtype: str, stage: int) -> bool:
+    """Whether the compute params are the fp32 master itself (no separate copy is kept)."""
+    return not stores_compute(param_dtype, stage)
 
 
 def _ring(n: int, size: float, factor: int = 1) -> float:
@@ -215,6 +244,7 @@ class Measurement:
     devices: int  # data-parallel size N the state is sharded over
     replica: int
     num_params: int
+    param_dtype: str  # compute dtype of params and gradients
     param_bytes: int  # bytes per compute param
     reduce_bytes: int  # bytes per reduced gradient element
     argument_bytes: int
@@ -229,11 +259,10 @@ class Measurement:
     unknown_loops: int  # while loops whose trip count was not found (counted once)
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
-        """The analytic `estimate` and `comm_estimate` for this configuration."""
+        """The analytic `state_estimate` and `comm_estimate` for this configuration."""
         kw = {"replica": self.replica}
         devices = self.devices * self.replica
-        mem = estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
-                       grad_bytes=self.param_bytes, **kw)
+        mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes, **kw)
         return mem, comm
@@ -242,8 +271,14 @@ class Measurement:
         return dataclasses.asdict(self)
 
 
-def state_bytes(engine) -> dict[str, int]:
-    """Per-device bytes of the engine's state by component (from shapes and shardings)."""
+def state_bytes(engine, batch=None) -> dict[str, int]:
+    """Per-device bytes of the engine's state by component (from shapes and shardings).
+
+    `batch` (arrays or `jax.ShapeDtypeStruct`s) is needed only if the engine has not learned
+    its units yet; nothing is compiled.
+    """
+    if batch is not None:
+        _abstract_batch(engine, batch)
     state = engine.abstract_state()
 
     def nbytes(tree) -> int:
@@ -278,6 +313,7 @@ def measure_lowered(engine, lowered) -> Measurement:
         devices=engine.data,
         replica=engine.replica,
         num_params=engine.layout.num_params,
+        param_dtype=cfg.param_dtype,
         param_bytes=jnp.dtype(DTYPES[cfg.param_dtype]).itemsize,
         reduce_bytes=jnp.dtype(DTYPES[cfg.grad_dtype]).itemsize,
         argument_bytes=mem.argument_size_in_bytes,
@@ -296,9 +332,15 @@ def measure_lowered(engine, lowered) -> Measurement:
 
 def lower(engine, batch):
     """`engine`'s step lowered for abstract, sharded inputs (learning the units if needed)."""
+    batch = _abstract_batch(engine, batch)  # first: the state's layout needs the units
+    return engine.lower(engine.abstract_state(), batch)
+
+
+def _abstract_batch(engine, batch):
+    """`batch` as sharded `ShapeDtypeStruct`s; the engine learns its units from it if needed."""
     sharding = batch_sharding(engine.mesh)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
                                                         sharding=sharding), batch)
     if engine.plan is None:
         engine._discover(jax.eval_shape(engine.model.init, jax.random.key(0)), batch)
-    return engine.lower(engine.abstract_state(), batch)
+    return batch

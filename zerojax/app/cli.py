@@ -10,10 +10,10 @@ import sys
 COMMANDS = {
     "train": ("zerojax.app.train", "main", "train a GPT preset on the embedded corpus or a file"),
     "sample": ("zerojax.app.sample", "sample_main", "generate text from a trained checkpoint"),
-    "estimate": ("zerojax.analysis.planning", "estimate_main", "ZeRO paper memory/comm per device"),
-    "measure": ("zerojax.analysis.planning", "measure_main",
+    "estimate": ("zerojax.analysis.commands", "estimate_main", "ZeRO paper memory/comm per device"),
+    "measure": ("zerojax.analysis.commands", "measure_main",
                 "memory/comm measured from compiled steps"),
-    "plan": ("zerojax.analysis.planning", "plan_main", "the cheapest configuration that fits"),
+    "plan": ("zerojax.analysis.commands", "plan_main", "the cheapest configuration that fits"),
     "export": ("zerojax.checkpoint.export", "export_main",
                "consolidated fp32 params from a checkpoint"),
 }

@@ -21,8 +21,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from zerojax.analysis.accounting import estimate, format_bytes
-from zerojax.precision import DTYPES
+from zerojax.analysis.accounting import (
+    ADAM_BYTES,
+    MASTER_BYTES,
+    MemoryEstimate,
+    format_bytes,
+    shares_master,
+    state_estimate,
+)
 
 
 def make_console(quiet: bool) -> Console:
@@ -54,14 +60,37 @@ def startup_table(rows: list[tuple[str, str]], title: str) -> Table:
     return table
 
 
-def memory_rows(estimate, measured: int) -> list[tuple[str, str]]:
-    """Per-device model-state bytes: the ZeRO estimate and the measured state arrays."""
+@dataclasses.dataclass(frozen=True)
+class RunEstimate:
+    """A run's per-device model state by formula, and what that state holds."""
+
+    memory: MemoryEstimate  # `state_estimate`: grads included, though the state holds none
+    param_dtype: str
+    shared_master: bool  # the compute params are the fp32 master (no separate copy)
+
+    @property
+    def state(self) -> float:
+        """What the engine keeps between steps: everything but the gradients."""
+        return self.memory.total - self.memory.grads
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.memory.as_dict(), "state": self.state, "param_dtype": self.param_dtype,
+                "shared_master": self.shared_master}
+
+
+def memory_rows(estimate: RunEstimate, measured: int) -> list[tuple[str, str]]:
+    """Per-device model-state bytes: the estimate by component and the measured state arrays."""
+    m, dtype, fmt = estimate.memory, estimate.param_dtype, format_bytes
+    if estimate.shared_master:
+        held = f"{dtype} params {fmt(m.params)} (the master) + Adam moments {fmt(m.optimizer)}"
+    else:
+        master = m.optimizer * MASTER_BYTES / (MASTER_BYTES + ADAM_BYTES)
+        held = (f"{dtype} params {fmt(m.params)} + float32 master {fmt(master)} + Adam moments "
+                f"{fmt(m.optimizer - master)}")
     return [
-        ("memory/device", f"{format_bytes(estimate.total)} estimated = params "
-                          f"{format_bytes(estimate.params)} + grads {format_bytes(estimate.grads)}"
-                          f" + optimizer {format_bytes(estimate.optimizer)}"),
-        ("", f"{format_bytes(measured)} measured: this device's shards of the state (grads "
-             f"are transient)"),
+        ("memory/device", f"{fmt(estimate.state)} estimated = {held}"),
+        ("", f"{fmt(measured)} measured: this device's shards of the state"),
+        ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs"),
     ]
 
 
@@ -185,11 +214,10 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(clean(obj), indent=2) + "\n")
 
 
-def estimate_for(num_params: int, devices: int, stage: int, cfg):
-    """The ZeRO paper's per-device model-state bytes for this run (fp32 Adam: K = 12)."""
-    size = np.dtype(DTYPES[cfg.param_dtype]).itemsize
-    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
-                    optimizer_bytes=12, replica=cfg.replica)
+def estimate_for(num_params: int, devices: int, stage: int, cfg) -> RunEstimate:
+    """This run's per-device model-state bytes by formula (`state_estimate`, Adam)."""
+    memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica)
+    return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage))
 
 
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,

@@ -1,0 +1,380 @@
+"""The `estimate`, `measure` and `plan` commands of `python -m zerojax`.
+
+`measure` and `plan` simulate devices on the CPU backend, whose device count is fixed when jax
+starts its backend: the commands set XLA_FLAGS first, so they must run before anything in the
+process has touched jax devices (as `python -m zerojax ...` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from zerojax.analysis.accounting import (
+    STAGES,
+    EstimateError,
+    comm_estimate,
+    estimate,
+    estimate_table,
+    format_bytes,
+)
+from zerojax.analysis.planning import LR, plan
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, flags off)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kw):
+        super().__init__(formatter_class=_Help, **kw)
+
+    def error(self, message):  # one clear line on stderr, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.I)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (1e9), '80GiB' (2**30), '8e10', '512MB' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 8e10")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    base = 1024 if unit.endswith("i") else 1000
+    power = "kmgtp".find(unit[:1]) + 1 if unit else 0
+    return int(float(m.group(1)) * base**power)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return int(text)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers") from None
+
+
+def _stages(text: str) -> tuple[int, ...]:
+    stages = STAGES if text == "all" else _ints(text)
+    if not set(stages) <= set(STAGES):
+        raise argparse.ArgumentTypeError(f"{text!r}: stages are 0, 1, 2, 3 (or all)")
+    return stages
+
+
+def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for key in rows[0] if rows else []:
+        table.add_column(key, justify="left" if key in ("reason", "config") else "right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    # Piped output is not wrapped at 80 columns.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def estimate_main(argv: list[str]) -> int:
+    """`python -m zerojax estimate --params 7.5e9 --devices 64 [--json]`."""
+    p = _Parser(prog="zerojax estimate", description="ZeRO paper memory/comm per device")
+    p.add_argument("--params", type=float, required=True, help="parameter count Ψ, e.g. 7.5e9")
+    p.add_argument("--devices", type=_positive, required=True, help="data-parallel devices N")
+    p.add_argument("--replica", type=_positive, default=1, help="replica groups (hybrid)")
+    p.add_argument("--param-bytes", type=float, default=2, help="bytes per compute param")
+    p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element")
+    p.add_argument("--optimizer-bytes", type=float, default=12,
+                   help="K: fp32 master + Adam moments per param")
+    p.add_argument("--reduce-bytes", type=float, default=None,
+                   help="bytes per reduced gradient element (default: --grad-bytes)")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    a = p.parse_args(argv)
+    psi = int(a.params) if a.params == int(a.params) else a.params
+    mem_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
+                  optimizer_bytes=a.optimizer_bytes, replica=a.replica)
+    comm_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
+                   reduce_bytes=a.reduce_bytes, replica=a.replica)
+    try:
+        rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes)
+        out = [{"stage": s, "memory": estimate(psi, a.devices, s, **mem_kw).as_dict(),
+                "comm": comm_estimate(psi, a.devices, s, **comm_kw).as_dict()} for s in STAGES]
+    except EstimateError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    if a.json:
+        print(json.dumps({"params": psi, "devices": a.devices, "stages": out}, indent=1))
+    else:
+        _print_table(f"Ψ = {psi:,} params on {a.devices} devices (per device)", rows)
+    return 0
+
+
+def _start_devices(p: _Parser, devices: int) -> None:
+    """Simulates `devices` CPU devices; must run before the process touches a jax device."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if len(jax.devices()) < devices:
+        p.exit(2, f"{p.prog}: error: jax started with {len(jax.devices())} devices before "
+                  f"--devices {devices} could be set; run it in a fresh process\n")
+
+
+def _gpt_and_batch(preset: str, batch: int):
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.models.gpt import GPT
+
+    model = GPT.from_preset(preset)
+    shape = (batch, model.cfg.seq_len)
+    return model, {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
+
+
+def _model_args(p: _Parser) -> None:
+    from zerojax.models.gpt import PRESETS
+
+    p.add_argument("--model", required=True, choices=sorted(PRESETS), help="GPT preset")
+    p.add_argument("--devices", type=_positive, required=True, help="data-parallel devices")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="global batch in sequences (default: devices x the largest grad_accum)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="compute dtype of params and gradients (master and moments: float32)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
+
+
+def _assumptions(a, model, batch, **extra: str) -> dict[str, str]:
+    """What a measure/plan run assumes, to print before it starts and to keep in its JSON."""
+    import jax
+
+    c, dtype = model.cfg, a.param_dtype
+    b = batch["inputs"].shape[0]
+    accum = a.grad_accum if isinstance(a.grad_accum, tuple) else (a.grad_accum,)
+    micro = ", ".join(f"{b // a.devices // k}" for k in accum if b % (a.devices * k) == 0)
+    master = ("the float32 params themselves in stages 0 and 3; a float32 shard next to the "
+              "replicated params in stages 1-2") if dtype == "float32" else "float32"
+    return {
+        "model": f"{a.model}: {model.num_params():,} params ({c.n_layers} layers, d={c.d_model}, "
+                 f"vocab {c.vocab_size})",
+        "devices": f"{a.devices} {jax.devices()[0].platform} devices (the step is compiled "
+                   f"for abstract inputs: nothing is allocated)",
+        "global batch": f"{b} sequences x {c.seq_len} tokens ({b // a.devices} per device); "
+                        f"per-device micro-batch {micro or '-'} for grad_accum "
+                        f"{', '.join(map(str, accum))}",
+        "sequence length": str(c.seq_len),
+        "params and grads": f"{dtype} (gradients reduced in {dtype})",
+        "master params": master,
+        "optimizer": f"AdamW (lr {LR:g}), moments in float32",
+        **extra,
+    }
+
+
+def _print_assumptions(title: str, facts: dict[str, str]) -> None:
+    from rich.console import Console
+
+    # stderr: stdout carries only the table or the JSON.
+    console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+    console.print(title, soft_wrap=True)
+    for key, value in facts.items():
+        console.print(f"  {key + ':':<18}{value}", soft_wrap=True, markup=False)
+
+
+class _Progress:
+    """Which configuration is compiling, on stderr: a rich bar on a terminal, else a line each.
+
+    Used as `progress` of `plan` and by `measure`; a 7B step takes tens of seconds to compile.
+    """
+
+    def __init__(self, total: int):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = Console(stderr=True, highlight=False)
+        self.start, self.total = time.monotonic(), total
+        self.bar = None
+        if self.console.is_terminal:
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TimeElapsedColumn(), console=self.console,
+                                transient=True)
+            self.task = self.bar.add_task("starting", total=total)
+            self.bar.start()
+
+    def __call__(self, label: str, phase: str, index: int) -> None:
+        if phase == "done":
+            if self.bar is not None:
+                self.bar.advance(self.task)
+            return
+        text = f"{label}: {phase} {index}/{self.total}"
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        else:
+            self.console.print(f"{text} ({time.monotonic() - self.start:.0f} s)", soft_wrap=True,
+                               markup=False)
+
+    def close(self) -> float:
+        """Stops the bar; returns the seconds since the start."""
+        if self.bar is not None:
+            self.bar.stop()
+        return time.monotonic() - self.start
+
+
+def _label(stage: int, remat: bool, accum: int) -> str:
+    return f"stage {stage}, remat {'on' if remat else 'off'}, accum {accum}"
+
+
+def measure_main(argv: list[str]) -> int:
+    """`python -m zerojax measure --model 7b --devices 64 --stage all [--json]`."""
+    p = _Parser(prog="zerojax measure", description="memory/comm of compiled steps")
+    _model_args(p)
+    p.add_argument("--stage", default="all", type=_stages, help="all, one stage, or e.g. 0,3")
+    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
+    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each layer in backward")
+    p.add_argument("--memory", type=_size, default=None, help="mark what fits, e.g. 80GB")
+    a = p.parse_args(argv)
+    _start_devices(p, a.devices)
+    import optax
+
+    from zerojax.analysis.accounting import lower, measure_lowered
+    from zerojax.config import ZeroConfig
+    from zerojax.engine import Engine
+    from zerojax.errors import ZeroError
+    from zerojax.mesh import make_mesh
+
+    model, batch = _gpt_and_batch(a.model, a.batch or a.devices * a.grad_accum)
+    facts = _assumptions(a, model, batch, measured=(
+        f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
+        f"grad_accum {a.grad_accum}"))
+    _print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
+    results, progress = [], _Progress(len(a.stage))
+    for i, stage in enumerate(a.stage, 1):
+        cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
+                         grad_accum=a.grad_accum)
+        label = _label(stage, a.remat, a.grad_accum)
+        try:
+            engine = Engine(model, optax.adamw(LR), make_mesh(data=a.devices), cfg)
+            progress(label, "lowering", i)
+            lowered = lower(engine, batch)
+            progress(label, "compiling", i)
+            results.append(measure_lowered(engine, lowered))
+            progress(label, "done", i)
+        except ZeroError as e:
+            progress.close()
+            p.exit(2, f"{p.prog}: error: {e}\n")
+    progress.close()
+    if a.json:
+        out = []
+        for m in results:
+            mem, comm = m.estimates()
+            out.append({**m.as_dict(), "estimate": {"memory": mem.as_dict(),
+                                                    "comm": comm.as_dict()}})
+        print(json.dumps({"model": a.model, "devices": a.devices, "memory": a.memory,
+                          "assumptions": facts, "measurements": out}, indent=1))
+        return 0
+    rows = []
+    for m in results:
+        mem, comm = m.estimates()
+        row = {"stage": m.stage, "state": format_bytes(m.state["total"]),
+               "state formula": format_bytes(mem.total - mem.grads),
+               "temp": format_bytes(m.temp_bytes), "peak": format_bytes(m.peak_bytes),
+               "sent": format_bytes(m.collective_bytes["total"]),
+               "sent formula": format_bytes(comm.total),
+               "sent compiled": format_bytes(m.collective_bytes_compiled["total"])}
+        if a.memory:
+            row["fits"] = "yes" if m.peak_bytes <= a.memory else "no"
+        rows.append(row)
+    n = results[0].num_params if results else 0
+    _print_table(f"{a.model} ({n:,} params), {a.devices} devices, per device; state formula "
+                 f"excludes grads (they live in temp); sent: bytes per step in "
+                 f"{a.param_dtype}, compiled: as this backend sends them", rows)
+    return 0
+
+
+def plan_main(argv: list[str]) -> int:
+    """`python -m zerojax plan --model 7b --devices 64 --memory 80GB [--json]`."""
+    p = _Parser(prog="zerojax plan", description="the cheapest configuration that fits")
+    _model_args(p)
+    p.add_argument("--memory", type=_size, required=True, help="per device, e.g. 80GB")
+    p.add_argument("--stages", type=_stages, default="all", help="all or e.g. 0,3")
+    p.add_argument("--remat", choices=("both", "on", "off"), default="both",
+                   help="recompute each layer in backward: try both, or only on/off")
+    p.add_argument("--grad-accum", type=_ints, default="1,2,4",
+                   help="micro-batch counts to try (the global batch stays the same)")
+    a = p.parse_args(argv)
+    if min(a.grad_accum) < 1:
+        p.error(f"--grad-accum {a.grad_accum}: every value must be >= 1")
+    _start_devices(p, a.devices)
+    from zerojax.errors import ZeroError
+
+    model, batch = _gpt_and_batch(a.model, a.batch or a.devices * max(a.grad_accum))
+    remat = {"both": (False, True), "on": (True,), "off": (False,)}[a.remat]
+    count = len(a.stages) * len(remat) * len(a.grad_accum)
+    cands = f"{count} candidate{'s' if count > 1 else ''}"
+    facts = _assumptions(a, model, batch, **{
+        "memory budget": f"{format_bytes(a.memory)} per device for the peak (arguments + "
+                         f"outputs - donated + temp)",
+        "searched": f"stages {','.join(map(str, a.stages))} x remat "
+                    f"{'/'.join('on' if r else 'off' for r in remat)} x grad_accum "
+                    f"{','.join(map(str, a.grad_accum))} = {cands}; the least "
+                    f"traffic that fits wins"})
+    _print_assumptions(f"zerojax plan: {a.model} on {a.devices} devices", facts)
+    progress = _Progress(count)
+    try:
+        result = plan(model, a.devices, a.memory, batch, param_dtype=a.param_dtype,
+                      stages=a.stages, remat=remat, grad_accum=a.grad_accum,
+                      progress=lambda c, phase, i, _: progress(
+                          _label(c.stage, c.remat, c.grad_accum), phase, i))
+    except ZeroError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    finally:
+        seconds = progress.close()
+    print(f"searched {cands} in {seconds:.0f} s", file=sys.stderr)
+    if a.json:
+        print(json.dumps({"model": a.model, "assumptions": facts, **result.as_dict()}, indent=1))
+        return 0 if result.best else 1
+    fmt = lambda v: "-" if v is None else format_bytes(v)
+    rows = [{"stage": c.stage, "remat": "on" if c.remat else "off", "accum": c.grad_accum,
+             "state": fmt(c.state_bytes), "peak": fmt(c.peak_bytes),
+             "sent/step": fmt(c.comm_bytes), "launches": c.launches or "-",
+             "fits": "yes" if c.fits else "no", "chosen": "<==" if c.chosen else "",
+             "reason": c.reason} for c in result.candidates]
+    _print_table(f"{a.model} on {a.devices} devices with {format_bytes(a.memory)} each", rows)
+    for note in result.notes():
+        print(f"note: {note}")
+    if result.best is None:
+        print("nothing fits: more devices, a smaller batch, or a smaller model", file=sys.stderr)
+        return 1
+    b = result.best
+    print(f"chosen: stage {b.stage}, remat {'on' if b.remat else 'off'}, grad_accum "
+          f"{b.grad_accum}: peak {format_bytes(b.peak_bytes)}, "
+          f"sends {format_bytes(b.comm_bytes)} per step per device")
+    return 0
