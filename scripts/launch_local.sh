@@ -5,7 +5,9 @@
 #   usage: scripts/launch_local.sh P DEVICES_PER_PROCESS [train options...]
 #   e.g.   scripts/launch_local.sh 2 2 --model nano --steps 100 --out runs/two-procs
 #
-# Environment: PORT (coordinator port, default 12355), PYTHON (default: python).
+# Without --out (or --config), the run goes to runs/launch_local, apart from the quick start's
+# runs/train. Environment: PORT (coordinator port, default 12355), PYTHON (default: the
+# project's .venv/bin/python when it exists, else python3).
 # Ctrl-C reaches every process; each saves its checkpoint shards and exits with 130.
 set -uo pipefail
 
@@ -17,13 +19,19 @@ P=$1
 D=$2
 shift 2
 PORT=${PORT:-12355}
-PYTHON=${PYTHON:-python}
+venv="$(dirname "$0")/../.venv/bin/python"
+[[ -x $venv ]] || venv=python3
+PYTHON=${PYTHON:-$venv}
+out=(--out runs/launch_local)
+for arg in "$@"; do
+  [[ $arg == --out || $arg == --out=* || $arg == --config || $arg == --config=* ]] && out=()
+done
 export JAX_PLATFORMS=cpu
 
 pids=()
 for ((i = 0; i < P; i++)); do
   "$PYTHON" -m zerojax train --devices "$D" --coordinator "127.0.0.1:$PORT" \
-    --num-processes "$P" --process-id "$i" "$@" &
+    --num-processes "$P" --process-id "$i" "${out[@]}" "$@" &
   pids+=($!)
 done
 # Background jobs of a script ignore SIGINT until Python installs its own handler: forward it.

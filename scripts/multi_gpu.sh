@@ -11,10 +11,13 @@
 # Each process drives all GPUs of its host; --out must be a directory every host can write
 # (a shared file system): each host writes its own checkpoint shards, host 0 the metrics.
 #
-# Options are passed to `python -m zerojax train` and override the defaults below.
+# Options are passed to `python -m zerojax train` and override the defaults below. PYTHON
+# defaults to the project's .venv/bin/python when it exists, else python3.
 # Not runnable on the CPU machine this repository is developed on.
 set -euo pipefail
-PYTHON=${PYTHON:-python}
+venv="$(dirname "$0")/../.venv/bin/python"
+[[ -x $venv ]] || venv=python3
+PYTHON=${PYTHON:-$venv}
 
 dist=()
 if [[ -n ${COORDINATOR:-} ]]; then
