@@ -6,7 +6,7 @@ remat. Variants run round-robin, one timed block each per repeat, so load drift 
 machine hits all of them alike; each figure is a median over repeats and a ratio against
 GSPMD FSDP from the same run. See docs/performance.md.
 
-    python experiments/bench.py --preset small8 --devices 8 --batch 16 --json out.json
+    .venv/bin/python experiments/bench.py --preset small8 --devices 8 --batch 16 --json out.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Per-device memory vs device count N for ZeRO stages 0-3: the paper's formulas as lines,
 compiled measurements as points. Writes docs/memory_scaling.png and docs/memory.md.
 
-    python experiments/memory_scaling.py [--preset gpt2-small] [--devices 1,2,4,8,16,32,64]
+    .venv/bin/python experiments/memory_scaling.py [--preset gpt2-small] \
+        [--devices 1,2,4,8,16,32,64]
 
 Runs in one process with max(N) simulated CPU devices; each N uses a mesh over the first N.
 The global batch is N sequences (one per device), so activations per device do not change
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
     title = f"GPT {a.preset} (Ψ = {psi / 1e6:.1f}M), {a.param_dtype}, AdamW, batch 1/device"
     plot(rows, title, a.out / "memory_scaling.png")
     header = MD_HEADER.format(preset=a.preset, psi=psi, dtype=a.param_dtype,
-                              cmd=" ".join(["python experiments/memory_scaling.py", *sys.argv[1:]]),
+                              cmd=" ".join([".venv/bin/python experiments/memory_scaling.py",
+                                            *sys.argv[1:]]),
                               secs=time.perf_counter() - t)
     (a.out / "memory.md").write_text(markdown(rows, header, "memory_scaling.png"))
     print(f"wrote {a.out / 'memory_scaling.png'} and {a.out / 'memory.md'}")

@@ -1,13 +1,13 @@
-"""Seed 000 on 2 simulated devices: what each device holds before and after one Adam step.
+"""The walkthrough on 2 simulated devices: what each device holds before and after one Adam step.
 
-The seed's 4-weight MLP, W = [2.0, -3.0, 1.0, 0.5], device 0 sees x=[1, 3], y=5 and device 1
+A 4-weight MLP, W = [2.0, -3.0, 1.0, 0.5], device 0 sees x=[1, 3], y=5 and device 1
 x=[2, 1], y=7; Adam lr 0.1, betas (0.9, 0.999), eps 1e-8; fp16 compute params.
 
-zerojax shards every leaf on its own (as FSDP2 does) rather than one flat vector (as the seed
-and DeepSpeed do): with leaves layer1.w = [w1, w2], layer2.w = [w3], layer2.b = [w4], device 0
-owns w1, w3, w4 and device 1 owns w2 (plus zero padding). The numbers are the seed's.
+zerojax shards every leaf on its own (as FSDP2 does) rather than one flat vector (as
+DeepSpeed does): with leaves layer1.w = [w1, w2], layer2.w = [w3], layer2.b = [w4], device 0
+owns w1, w3, w4 and device 1 owns w2 (plus zero padding). Every stage ends at the same numbers.
 
-    python experiments/seed_walkthrough.py [--stage 0 1 2 3] [--json]
+    .venv/bin/python experiments/seed_walkthrough.py [--stage 0 1 2 3] [--json]
 """
 
 from __future__ import annotations

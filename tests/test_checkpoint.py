@@ -310,7 +310,7 @@ def test_damaged_file(ref, tmp_path, how):
         engine.restore(d)
     assert engine.plan is None and snapshot(d) == before  # nothing written
     out = tmp_path / "p.safetensors"
-    assert ex.export_main([str(d), "--out", str(out)]) == 1
+    assert ex.export_main([str(d), "--out", str(out)]) == 2
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
@@ -333,7 +333,7 @@ def test_checksum_names_the_corrupted_leaf(ref, tmp_path):
     with pytest.raises(zj.CheckpointError, match=r"corrupted: checksum mismatch in "
                                                  r"params\['blocks'\]\['attn'\]\['out'\]\['kernel'\]$"):
         make_engine(1, 2).restore(d)
-    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 2
 
 
 def test_other_model_names_leaves_and_shapes(ref):
@@ -367,11 +367,11 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-m", "zerojax", "export", str(tmp_path / "nope"),
                            "--out", str(tmp_path / "p.safetensors")], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"zerojax export: error: checkpoint directory {tmp_path / 'nope'} does not exist"]
-    for args, rc in (([str(tmp_path), "--out", str(tmp_path / "p.bin")], 1),
-                     ([str(tmp_path), "--out", str(tmp_path / "p.safetensors")], 1),
+    for args, rc in (([str(tmp_path), "--out", str(tmp_path / "p.bin")], 2),
+                     ([str(tmp_path), "--out", str(tmp_path / "p.safetensors")], 2),
                      ([str(tmp_path)], 2), ([str(tmp_path), "--step", "x", "--out", "p"], 2)):
         assert ex.export_main(args) == rc
         lines = capsys.readouterr().err.strip().splitlines()
@@ -405,7 +405,7 @@ def test_renamed_record_field_is_one_clear_error(ref, tmp_path, capsys, monkeypa
            r"\['bias'\] has no field 'shape' \(renamed or removed\)")
     with pytest.raises(zj.CheckpointError, match=msg):
         shared_engine(3, 8).restore(run)
-    assert ex.export_main([str(run), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(run), "--out", str(tmp_path / "p.safetensors")]) == 2
     assert "has no field 'shape'" in one_line(capsys, "zerojax export: error: ")
     assert sample.sample_main([str(run)]) == 2
     assert "has no field 'shape'" in one_line(capsys, "zerojax sample: error: ")
@@ -428,7 +428,7 @@ def test_missing_array_index(ref, tmp_path, capsys):
     with pytest.raises(zj.CheckpointError, match=r"arrays of step 3 of .*: their index "
                                                  r"state/_METADATA is missing$"):
         shared_engine(3, 8).restore(d)
-    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 2
     assert "state/_METADATA is missing" in one_line(capsys, "zerojax export: error: ")
 
 
@@ -446,7 +446,7 @@ def test_damaged_data_names_step_leaf_and_cause(ref, tmp_path, how, capsys, monk
     time.sleep(0.5)
     gc.collect()
     assert stray == []
-    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 2
     assert one_line(capsys, f"zerojax export: error: cannot read {first}".replace("\\", ""))
 
 
@@ -472,7 +472,7 @@ def test_checksum_sees_swapped_rows_and_the_scalars(ref, tmp_path, capsys):
             r"corrupted: checksum mismatch in params\['blocks'\]\['attn'\]\['out'\]\['kernel'\]; "
             r"params\['embed'\]\['tok'\]; \['loss_scale'\]\['good_steps'\]; \['step'\]$")):
         engine.restore(d)
-    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 1
+    assert ex.export_main([str(d), "--out", str(tmp_path / "p.safetensors")]) == 2
     assert one_line(capsys, "zerojax export: error: ").endswith(
         "corrupted: checksum mismatch in params['blocks']['attn']['out']['kernel']")
 

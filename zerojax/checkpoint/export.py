@@ -142,8 +142,8 @@ def export_main(argv: list[str]) -> int:
     except _UsageError as e:
         print(f"zerojax export: error: {e} (see --help)", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # a missing or damaged checkpoint: bad input, as in train
         print(f"zerojax export: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,4 @@
-"""Reference models: seed 000's MLP, seed 003's tiny transformer, and GPT presets."""
+"""Reference models: the walkthrough's 4-weight MLP, a 260-parameter transformer, GPT presets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Seed 000's four-weight MLP: y = w3 * relu(w1*x1 + w2*x2) + w4, half squared error."""
+"""The four-weight MLP of experiments/seed_walkthrough.py: y = w3 * relu(w1*x1 + w2*x2) + w4,
+half squared error."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-SEED_W = (2.0, -3.0, 1.0, 0.5)  # [w1, w2, w3, w4] from seed 000
+SEED_W = (2.0, -3.0, 1.0, 0.5)  # [w1, w2, w3, w4] of the walkthrough
 
 
 class SeedMLP:

@@ -1,4 +1,5 @@
-"""Seed 003's tiny transformer: one pre-LN block, d=4, 2 heads, FFN 16, V=8, T=3; 260 params."""
+"""A transformer small enough to follow by hand: one pre-LN block, d=4, 2 heads, FFN 16, V=8,
+T=3; 260 params."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ def _layer_norm(x_BxTxD, ln, eps: float = 1e-5):
 
 
 class TinyTransformer:
-    """Seed 003's model: exactly the seed's 13 leaves (260 params), two ZeRO units.
+    """13 leaves, 260 params, two ZeRO units.
 
     Units: `block` (ln1, attn, ln2, mlp: 228 params) and `head` (W_vocab: 32 params).
-    The seed's table has no embedding leaf, so the input embedding is a *fixed* table
+    The 13 leaves include no embedding, so the input embedding is a *fixed* table
     (token + position, standard normal from `embed_seed`) stored on the model, not
     trained. Dict keys are chosen so the flattened leaf order puts ln1+attn+ln2 (80
-    params) before W1, as in the seed: a 130/130 flat split cuts W1 into 50 + 14.
+    params) before W1, as in the worked example: a 130/130 flat split cuts W1 into 50 + 14.
 
     Batch: {"inputs": int32 [B, 3], "targets": int32 [B, 3]}; loss is mean token CE.
     """
