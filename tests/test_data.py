@@ -1,5 +1,7 @@
 """The embedded corpus, token files and the deterministic, per-process batch source."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -123,6 +125,51 @@ def test_load_token_file_errors(tmp_path):
     np.save(tmp_path / "2d.npy", np.zeros((2, 2), np.int32))
     with pytest.raises(DataError, match=r"\(2, 2\)"):
         load_tokens(tmp_path / "2d.npy")
+
+
+class _Payload:
+    def __reduce__(self):  # unpickling this would create the file
+        return (open, (MARKER, "w"))
+
+
+MARKER = ""
+
+
+def test_token_files_never_unpickle(tmp_path):
+    global MARKER
+    MARKER = str(tmp_path / "ran")
+    np.save(tmp_path / "obj.npy", np.array([_Payload(), 1], dtype=object), allow_pickle=True)
+    with pytest.raises(DataError, match="Python objects"):
+        load_tokens(tmp_path / "obj.npy")
+    (tmp_path / "junk.npy").write_bytes(b"\x80\x04junk")  # a bare pickle, no NumPy header
+    with pytest.raises(DataError, match="not a .npy file"):
+        load_tokens(tmp_path / "junk.npy")
+    np.save(tmp_path / "short.npy", np.arange(1000, dtype=np.int32))
+    (tmp_path / "short.npy").write_bytes((tmp_path / "short.npy").read_bytes()[:500])
+    with pytest.raises(DataError, match="cannot load"):
+        load_tokens(tmp_path / "short.npy")
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files despite chmod 000")
+def test_unreadable_token_file(tmp_path):
+    for ext in ("txt", "bin", "npy"):
+        path = tmp_path / f"a.{ext}"
+        np.save(path, np.arange(10, dtype=np.uint16)) if ext == "npy" else path.write_bytes(b"ab")
+        path.chmod(0)
+        with pytest.raises(DataError, match="cannot read token file .*Permission denied"):
+            load_tokens(path)
+
+
+def test_check_ids_names_the_first_bad_id():
+    ids = np.array([5, 3, -2, 7, 64, -1], dtype=np.int64)
+    with pytest.raises(DataError, match=r"^t.npy has 3 token id\(s\) outside \[0, 64\), the first "
+                                        r"-2 at position 12; token ids are never negative"):
+        data.check_ids(ids, 64, "t.npy", offset=10)
+    with pytest.raises(DataError, match="the first 64 at position 2; use a larger preset"):
+        data.check_ids(ids[3:], 64, "t.npy", offset=1)
+    data.check_ids(ids[:2], 64, "t.npy")
+    data.check_ids(np.arange(256, dtype=np.uint8), 256, "t.bin")  # uint8 always fits
 
 
 def test_split_tokens_holds_out_the_tail():

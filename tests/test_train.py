@@ -4,7 +4,9 @@ Runs that need their own device count are subprocesses (the count is fixed when 
 option checks run in this process, since they must finish before jax is touched.
 """
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerojax.app import options, sample, train
+from zerojax.app import options, peers, sample, train
 from zerojax.app.data import embedded_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +34,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def zerojax(*args, timeout=300) -> subprocess.CompletedProcess:
-    """`python -m zerojax ARGS` in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "zerojax", *map(str, args)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+def zerojax(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m zerojax ARGS` in a fresh process, in `cwd` (default: the current directory,
+    the test's own tmp_path)."""
+    return subprocess.run([sys.executable, "-m", "zerojax", *map(str, args)],
+                          cwd=cwd or Path.cwd(), env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _own_directory(tmp_path, monkeypatch):
+    """Every test runs in its own directory: never in the one a user's run (runs/train) left."""
+    monkeypatch.chdir(tmp_path)
 
 
 def records(out: Path) -> list[dict]:
@@ -64,7 +74,7 @@ def reference(tmp_path_factory, tokens64) -> Path:
     """20 steps of the "test" preset on 1 process × 4 devices, saving at 10 and 20."""
     out = tmp_path_factory.mktemp("reference")
     r = zerojax("train", *SMALL, "--data", tokens64, "--devices", 4, "--steps", 20,
-                "--save-every", 10, "--out", out)
+                "--save-every", 10, "--out", out, cwd=out)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -89,6 +99,8 @@ def test_config_file_then_flags(tmp_path):
     assert (cfg.steps, cfg.model) == (9, "small8")
 
 
+ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
+SKIP_AS_ROOT = pytest.mark.skipif(ROOT_USER, reason="root reads and writes despite chmod 000")
 BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "unknown preset": ("--model gpt5", "unknown GPT preset --model='gpt5'"),
     "batch vs devices": ("--devices 4 --batch 6", "--batch=6 is not divisible"),
@@ -105,26 +117,101 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "half distributed": ("--coordinator localhost:1234", "go together"),
     "prefetch": ("--stage 2 --prefetch", "--prefetch needs --stage 3"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
+    "negative ids": ("--model test --data {tmp}/neg.npy",
+                     "2 token id(s) outside [0, 64) (preset 'test' has vocab_size 64), the "
+                     "first -1 at position 3;"),
+    "garbage npy": ("--data {tmp}/garbage.npy", "garbage.npy' is not a .npy file"),
+    "pickled npy": ("--data {tmp}/objects.npy", "Python objects"),
+    "data is a directory": ("--data {tmp}/dir.npy", "dir.npy' is a directory"),
+    "unreadable data": ("--data {tmp}/locked.npy", "cannot read token file"),
+    "seed": ("--seed 99999999999999999999",
+             "--seed=99999999999999999999 must be a non-negative integer below 2**63"),
+    "lr inf": ("--lr inf", "--lr=inf must be a finite number"),
+    "lr nan": ("--lr nan", "--lr=nan must be a finite number"),
+    "weight decay nan": ("--weight-decay nan", "--weight-decay=nan must be a finite number"),
+    "clip norm inf": ("--clip-norm inf", "--clip-norm=inf must be a finite number"),
+    "empty out": ("--out=", "--out is empty"),
+    "out is a file": ("--out {tmp}/bad.json", "bad.json' is a file; name a directory"),
+    "out under a file": ("--out {tmp}/bad.json/run", "is under '{tmp}/bad.json', which is a file"),
+    "unwritable out": ("--out {tmp}/locked/run", "is not a writable directory"),
+    "resume step": ("--resume-step 7 --out {tmp}/old",
+                    "--resume-step=7: no such checkpoint in '{tmp}/old/checkpoints'; its steps "
+                    "are 5"),
 }
+NEEDS_USER = {"unreadable data", "unwritable out"}  # as root, chmod blocks nothing
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_options_exit_2_with_one_line_before_jax(case, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("where", ["empty directory", "after the quick start"])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=SKIP_AS_ROOT) if c in NEEDS_USER else c
+                                  for c in BAD])
+def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, capsys, monkeypatch,
+                                                     request):
+    if where == "after the quick start":  # what `python -m zerojax train` leaves in runs/train
+        shutil.copytree(request.getfixturevalue("reference"), tmp_path / "runs" / "train")
     (tmp_path / "bad.json").write_text('{"stepz": 3}')
     (tmp_path / "old" / "checkpoints" / "5").mkdir(parents=True)
+    (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "garbage.npy").write_bytes(b"not a numpy file at all")
+    np.save(tmp_path / "objects.npy", np.array([1, "two", None], dtype=object))
+    ids = np.arange(100, dtype=np.int32) % 64
+    ids[[3, 50]] = -1
+    np.save(tmp_path / "neg.npy", ids)
+    np.save(tmp_path / "locked.npy", np.arange(100, dtype=np.uint16) % 64)
+    (tmp_path / "locked.npy").chmod(0)
+    (tmp_path / "locked").mkdir(mode=0o500)
     argv, message = BAD[case]
     started = []
     monkeypatch.setattr(train, "start_runtime", started.append)
     assert train.main(argv.format(tmp=tmp_path).split()) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerojax train: error: "), err
-    assert message in err
+    assert message.format(tmp=tmp_path) in err
     assert not started  # rejected before XLA flags, jax.distributed or any compilation
+    assert not (tmp_path / "runs" / "train").exists() or where != "empty directory"
 
 
-def test_sample_without_checkpoint_exits_2(tmp_path, capsys):
-    assert sample.sample_main([str(tmp_path)]) == 2
-    assert "no checkpoint" in capsys.readouterr().err
+SAMPLE_BAD = {
+    "no checkpoint": ("{tmp}", "no checkpoint in"),
+    "a file": ("{tmp}/file.txt", "no checkpoint in"),
+    "empty": ("", "CHECKPOINT is empty"),
+    "temperature nan": ("{tmp} --temperature nan", "--temperature=nan"),
+    "seed": ("{tmp} --seed -1", "--seed=-1"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLE_BAD))
+def test_sample_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    argv, message = SAMPLE_BAD[case]
+    args = argv.format(tmp=tmp_path).split() or [""]
+    assert sample.sample_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zerojax sample: error: "), err
+    assert message in err
+
+
+def test_cut_off_metrics_record_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    note = options.drop_cut_off_record(path)
+    assert note == ("metrics.jsonl: dropped a cut-off last record (15 bytes) that an "
+                    "interrupted write left")
+    assert path.read_text() == '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n'
+    assert options.drop_cut_off_record(path) is None
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not what a crash leaves
+    with pytest.raises(options.UsageError, match="line 2 is not a JSON record"):
+        options.drop_cut_off_record(path)
+
+
+def test_schedule_note_gives_the_lr_before_and_after():
+    saved = options.TrainConfig(steps=200)
+    note = train.schedule_note(saved, dataclasses.replace(saved, steps=400), 200)
+    # cosine from 3e-3 to 3e-4: ended at step 200; over 400 steps, step 201 is near the middle
+    assert note == ("schedule re-planned for 400 steps (saved: 200): lr at step 201 3.00e-04 → "
+                    "1.70e-03")
+    assert train.schedule_note(saved, saved, 200) is None
+    constant = options.TrainConfig(steps=200, schedule="constant")
+    assert train.schedule_note(constant, dataclasses.replace(constant, steps=400), 200) is None
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path, tokens64, capsys, monkeypatch):
@@ -178,7 +265,7 @@ def test_two_processes_match_one(tmp_path, tokens64, reference):
     script = ROOT / "scripts" / "launch_local.sh"
     env = dict(_env(), PORT=str(free_port()), PYTHON=sys.executable)
     r = subprocess.run(["bash", str(script), "2", "2", *SMALL, "--data", str(tokens64),
-                        "--steps", "20", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                        "--steps", "20", "--out", str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -203,6 +290,75 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, reference):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]
 
 
+def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    for f in (out / "checkpoints" / "20" / "state").rglob("*"):  # a damaged latest step
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * f.stat().st_size)
+    metrics = out / "metrics.jsonl"
+    cut = len(metrics.read_bytes().splitlines(keepends=True)[-1]) - 30
+    metrics.write_bytes(metrics.read_bytes()[:-30])  # and a record cut off by the crash
+    args = [a for a in SMALL if a != "--quiet"] + [
+        "--data", _data_of(reference), "--devices", "4", "--save-every", "10", "--eval-every",
+        "0", "--out", str(out)]
+    assert train.main([*args, "--steps", "20", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zerojax train: error: "), err
+    assert "step 20" in err
+    assert err.endswith("; intact older steps: 10; resume from one with --resume-step 10\n")
+    assert "step=" not in err  # the API's advice is not the CLI's
+    assert sample.sample_main([str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("intact older steps: 10; sample from one with --step 10\n"), err
+
+    assert train.main([*args, "--steps", "20", "--resume-step", "10"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # the table may wrap long notes
+    assert f"metrics.jsonl: dropped a cut-off last record ({cut} bytes)" in shown
+    assert "resuming from step 10: later step(s) 20 moved to" in shown
+    assert (out / "superseded" / "20" / "state").is_dir()
+    assert options.checkpoint_steps(out / "checkpoints") == [10, 20]
+    assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 21))
+    np.testing.assert_allclose(losses(out), losses(reference), rtol=0, atol=1e-6)
+
+    # A longer run re-plans the cosine schedule: the note gives step 21's lr before and after.
+    assert train.main([*args, "--steps", "21", "--resume"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert ("schedule re-planned for 21 steps (saved: 20): lr at step 21 3.00e-04 → 3.55e-04"
+            in shown)
+    assert records(out)[-1]["lr"] == pytest.approx(3e-4 + 2.7e-3 * (1 + math.cos(math.pi * 10 /
+                                                                             11)) / 2)
+
+
+@pytest.mark.slow
+def test_lost_process_ends_the_other_with_one_line(tmp_path, tokens64):
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "zerojax", "train", *SMALL, "--data", str(tokens64), "--devices",
+         "1", "--steps", "100000", "--eval-every", "0", "--save-every", "3", "--out",
+         str(tmp_path), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while not options.checkpoint_steps(tmp_path / "checkpoints"):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.2)
+    procs[1].kill()
+    t = time.monotonic()
+    _, err = procs[0].communicate(timeout=120)
+    waited = time.monotonic() - t
+    procs[1].communicate()
+    print(f"process 0 ended {waited:.1f} s after process 1 was killed")
+    assert procs[0].returncode == peers.LOST_EXIT, err
+    last = err.strip().splitlines()[-1]
+    step = max(options.checkpoint_steps(tmp_path / "checkpoints"))
+    assert last == (f"zerojax train: error: lost process 1 of 2; it stopped responding; last "
+                    f"saved step {step} in {tmp_path / 'checkpoints'} (restart every process "
+                    f"with --resume)")
+    assert waited <= 30
+
+
 def _data_of(out: Path) -> str:
     return json.loads((out / "summary.json").read_text())["config"]["data"]
 
@@ -211,7 +367,7 @@ def _data_of(out: Path) -> str:
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, tokens64):
     args = [sys.executable, "-m", "zerojax", "train", *SMALL, "--data", str(tokens64),
             "--devices", "2", "--steps", "100000", "--eval-every", "0", "--out", str(tmp_path)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120

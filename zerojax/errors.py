@@ -25,8 +25,10 @@ class CheckpointError(ZeroError):
     """A checkpoint that is incomplete, corrupted, or of another model or layout.
 
     `intact_steps`: when restoring the latest step failed because it is damaged, the older
-    steps that restore, newest first (else empty)."""
+    steps that restore, newest first (else empty); `damage`: then what is wrong with the
+    latest step, without the advice on `step=` that the message adds."""
 
-    def __init__(self, *args, intact_steps=()):
+    def __init__(self, *args, intact_steps=(), damage: str | None = None):
         super().__init__(*args)
         self.intact_steps: list[int] = list(intact_steps)
+        self.damage = damage

@@ -108,15 +108,20 @@ def put_batch(batch, mesh: Mesh):
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+                           process_id: int | None = None, *,
+                           heartbeat_timeout_s: int | None = None) -> None:
     """Starts `jax.distributed` (explicitly, or auto-detected on SLURM / Open MPI).
 
     Must run before anything touches a jax backend. CPU processes exchange collectives over
     gloo (only the CPU client reads that setting, so it is harmless on GPU).
+    `heartbeat_timeout_s`: seconds without a heartbeat after which a process counts as lost
+    (default: jax's, 100).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {} if heartbeat_timeout_s is None else {
+        "heartbeat_timeout_seconds": heartbeat_timeout_s}
     if coordinator is None and num_processes is None:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**kwargs)
     else:
         jax.distributed.initialize(coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+                                   process_id=process_id, **kwargs)

@@ -82,9 +82,22 @@ def embedded_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, split: str = "train")
 def load_tokens(path: str | os.PathLike) -> np.ndarray:
     """1-D integer tokens from `.txt` (bytes as uint8), `.bin` (raw uint16) or `.npy`."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"token file {str(path)!r} is a directory; pass a .txt, .bin or .npy file")
     if not path.is_file():
         raise FileNotFoundError(f"token file not found: {str(path)!r}")
     ext = path.suffix.lower()
+    if ext not in (".txt", ".bin", ".npy"):
+        raise DataError(
+            f"unknown token file extension {ext!r} in {str(path)!r}; use .txt, .bin or .npy"
+        )
+    try:
+        return _read_tokens(path, ext)
+    except OSError as e:
+        raise DataError(f"cannot read token file {str(path)!r}: {e.strerror or e}") from None
+
+
+def _read_tokens(path: Path, ext: str) -> np.ndarray:
     if ext == ".txt":
         return np.frombuffer(path.read_bytes(), dtype=np.uint8)
     if ext == ".bin":
@@ -94,17 +107,42 @@ def load_tokens(path: str | os.PathLike) -> np.ndarray:
         if size == 0:  # np.memmap refuses empty files
             return np.zeros(0, np.uint16)
         return np.memmap(path, dtype=np.uint16, mode="r")
-    if ext == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-        if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 1:
-            raise DataError(
-                f"{str(path)!r} holds {tokens.dtype} with shape {tokens.shape}; save a 1-D integer"
-                " array, e.g. np.save(path, tokens.astype(np.uint16).ravel())"
-            )
-        return tokens
-    raise DataError(
-        f"unknown token file extension {ext!r} in {str(path)!r}; use .txt, .bin or .npy"
-    )
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":  # np.load would try to unpickle it (and refuse)
+        raise DataError(f"{str(path)!r} is not a .npy file (no NumPy header); write it with "
+                        f"np.save(path, tokens)")
+    try:  # allow_pickle stays off: a token file never needs to run code to load
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:  # a truncated file, or an object array (pickled Python objects)
+        raise DataError(f"cannot load {str(path)!r}: {e}; save a 1-D integer array, e.g. "
+                        f"np.save(path, tokens.astype(np.uint16).ravel())") from None
+    if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 1:
+        raise DataError(
+            f"{str(path)!r} holds {tokens.dtype} with shape {tokens.shape}; save a 1-D integer"
+            " array, e.g. np.save(path, tokens.astype(np.uint16).ravel())"
+        )
+    return tokens
+
+
+def check_ids(tokens: np.ndarray, vocab: int, what: str, offset: int = 0,
+              whose: str = "") -> None:
+    """Raises `DataError` naming the first id of `tokens` outside `[0, vocab)`.
+
+    `offset`: the position of `tokens[0]` in the file; `whose`: a note on the vocabulary;
+    both for the message."""
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab:  # the dtype cannot hold a bad id
+        return
+    if len(tokens) == 0 or (tokens.min() >= 0 and tokens.max() < vocab):
+        return
+    bad = (tokens < 0) | (tokens >= vocab)
+    first = int(np.argmax(bad))
+    value = int(tokens[first])
+    fix = "token ids are never negative; re-tokenize" if value < 0 else (
+        "use a larger preset or re-tokenize")
+    raise DataError(f"{what} has {int(bad.sum()):,} token id(s) outside [0, {vocab}){whose}, "
+                    f"the first {value} at position {offset + first:,}; {fix}")
 
 
 def split_tokens(

@@ -1,18 +1,22 @@
 """`zerojax train`'s options: `TrainConfig`, parsing (`--config` file, then flags),
-validation, and the data and optimizer they describe. Nothing here starts jax's backend.
+validation, the run directory, and the data and optimizer they describe. Nothing here starts
+jax's backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import tyro
 
-from zerojax.app.data import embedded_corpus, load_tokens, split_tokens
+from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
 from zerojax.models import PRESETS
 
 # Options that change a run's trajectory (the data order or the updates), unlike devices,
@@ -65,6 +69,8 @@ class TrainConfig:
     """Save a checkpoint every N steps; 0: only at the end (and on Ctrl-C)."""
     resume: bool = False
     """Continue from the latest checkpoint in OUT/checkpoints."""
+    resume_step: int | None = None
+    """Continue from this checkpoint step instead of the latest (implies --resume)."""
     eval_every: int = 50
     """Eval loss every N steps (and before the first and after the last); 0: never."""
     eval_batches: int = 4
@@ -125,6 +131,8 @@ def load_config_file(path: str) -> dict[str, Any]:
             values = json.loads(p.read_text())
     except (ValueError, ImportError) as e:
         raise UsageError(f"cannot read config file {path!r}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read config file {path!r}: {e.strerror or e}") from None
     if not isinstance(values, dict):
         raise UsageError(f"config file {path!r} must hold a table/object of options")
     values = {k.replace("-", "_"): v for k, v in values.items()}
@@ -135,15 +143,28 @@ def load_config_file(path: str) -> dict[str, Any]:
     return values
 
 
+# Integer options and their lowest value; all stay below INT_LIMIT (the step counter is int32)
+# except the seed, which jax.random.key takes as int64.
+_INTS = {"steps": 1, "batch": 1, "replica": 1, "grad_accum": 1, "eval_batches": 1, "devices": 1,
+         "seq_len": 1, "save_every": 0, "eval_every": 0, "warmup": 0, "seed": 0,
+         "resume_step": 1}
+INT_LIMIT, SEED_LIMIT = 2**31, 2**63
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Checks every option that can be checked before jax starts; fills in the defaults."""
-    for name, low in [*((n, 1) for n in ("steps", "batch", "replica", "grad_accum",
-                                         "eval_batches", "devices", "seq_len")),
-                      *((n, 0) for n in ("save_every", "eval_every", "warmup", "seed"))]:
+    """Checks every option that can be checked without files or jax; fills in the defaults."""
+    for name, low in _INTS.items():
         v = getattr(cfg, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+        high = SEED_LIMIT if name == "seed" else INT_LIMIT
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                              or not low <= v < high):
             kind = "a positive" if low else "a non-negative"
-            raise UsageError(f"--{name.replace('_', '-')}={v!r} must be {kind} integer")
+            raise UsageError(f"--{flag(name)}={v!r} must be {kind} integer below "
+                             f"2**{high.bit_length() - 1}")
+    for field in dataclasses.fields(cfg):  # nan passes every comparison below; inf makes nan
+        v = getattr(cfg, field.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"--{flag(field.name)}={v} must be a finite number")
     if cfg.model not in PRESETS:
         raise UsageError(f"unknown GPT preset --model={cfg.model!r}; choose one of "
                          f"{', '.join(PRESETS)}")
@@ -152,6 +173,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.weight_decay < 0:
         raise UsageError(f"--lr={cfg.lr} must be positive, --min-lr-ratio={cfg.min_lr_ratio} "
                          f"in [0, 1] and --weight-decay={cfg.weight_decay} non-negative")
+    if cfg.clip_norm is not None and not cfg.clip_norm > 0:
+        raise UsageError(f"--clip-norm={cfg.clip_norm} must be positive (None turns clipping "
+                         f"off)")
     ctx = PRESETS[cfg.model].seq_len
     seq_len = ctx if cfg.seq_len is None else cfg.seq_len
     if seq_len > ctx:
@@ -168,14 +192,53 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
-    steps = checkpoint_steps(Path(cfg.out) / "checkpoints")
+    if not cfg.out.strip():
+        raise UsageError("--out is empty; name a run directory, e.g. --out runs/train")
+    return dataclasses.replace(cfg, seq_len=seq_len,
+                               resume=cfg.resume or cfg.resume_step is not None)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a TrainConfig field."""
+    return name.replace("_", "-")
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """`--out` must be a writable directory (created here), with checkpoints iff `--resume`.
+
+    Runs after the data is loaded, so a bad data file is reported as such, whatever the run
+    directory already holds."""
+    out = Path(cfg.out)
+    _make_writable_dir(out)
+    ckpt = out / "checkpoints"
+    if ckpt.exists() and not ckpt.is_dir():
+        raise UsageError(f"{str(ckpt)!r} is a file, not a checkpoint directory; move it away")
+    steps = checkpoint_steps(ckpt)
     if cfg.resume and not steps:
-        raise UsageError(f"--resume: no checkpoint in {str(Path(cfg.out) / 'checkpoints')!r}; "
-                         f"train without --resume first, or point --out at the run")
+        raise UsageError(f"--resume: no checkpoint in {str(ckpt)!r}; train without --resume "
+                         f"first, or point --out at the run")
     if not cfg.resume and steps:
         raise UsageError(f"{cfg.out!r} already holds checkpoints (latest step {max(steps)}); "
                          f"pass --resume to continue it or choose another --out")
-    return dataclasses.replace(cfg, seq_len=seq_len)
+    if cfg.resume_step is not None and cfg.resume_step not in steps:
+        raise UsageError(f"--resume-step={cfg.resume_step}: no such checkpoint in "
+                         f"{str(ckpt)!r}; its steps are {', '.join(map(str, steps))}")
+
+
+def _make_writable_dir(out: Path) -> None:
+    for p in (out, *out.parents):  # the first one that exists must be a directory
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                where = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
+                raise UsageError(f"--out {str(out)!r} {where}; name a directory")
+            break
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # access() can say yes where a write fails
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {str(out)!r} is not a writable directory: "
+                         f"{e.strerror or e}") from None
 
 
 def check_split(cfg: TrainConfig, devices: int) -> None:
@@ -198,7 +261,20 @@ def checkpoint_steps(directory: Path) -> list[int]:
     the backend before `train.start_runtime` sets the device count."""
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+    try:
+        return sorted(int(p.name) for p in directory.iterdir()
+                      if p.is_dir() and p.name.isdigit())
+    except OSError as e:
+        raise UsageError(f"cannot list {str(directory)!r}: {e.strerror or e}") from None
+
+
+def intact_hint(error: BaseException, flag_: str, verb: str = "resume") -> str:
+    """`error`'s message, plus the intact steps to pick instead when it names some."""
+    intact = list(getattr(error, "intact_steps", None) or [])
+    if not intact:
+        return str(error)
+    return (f"{getattr(error, 'damage', None) or error}; intact older steps: "
+            f"{', '.join(map(str, intact))}; {verb} from one with {flag_} {intact[0]}")
 
 
 def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
@@ -210,32 +286,86 @@ def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
         train, ev = split_tokens(load_tokens(cfg.data))
         what = cfg.data
     vocab = PRESETS[cfg.model].vocab_size
-    if np.iinfo(train.dtype).max >= vocab:  # only when the dtype can hold larger ids
-        # A prefix of a large memory-mapped file; ids past it make the loss NaN, which stops
-        # the run naming the step.
-        top = max(int(train[:2**26].max()), int(ev[:2**26].max()))
-        if top >= vocab:
-            raise UsageError(f"{what} has token id {top} but preset {cfg.model!r} has "
-                             f"vocab_size {vocab}; use a larger preset or re-tokenize")
-    for name, t in (("train", train), ("eval", ev)):
+    # A prefix of a large memory-mapped file, to keep start-up fast.
+    whose = f" (preset {cfg.model!r} has vocab_size {vocab})"
+    check_ids(train[:ID_CHECK], vocab, what, whose=whose)
+    check_ids(ev[:ID_CHECK], vocab, what, offset=len(train), whose=whose)
+    for split, t in (("train", train), ("eval", ev)):
         if len(t) <= cfg.seq_len:
-            raise UsageError(f"{what}: {len(t)} {name} tokens are too few for --seq-len="
+            raise UsageError(f"{what}: {len(t)} {split} tokens are too few for --seq-len="
                              f"{cfg.seq_len}")
     return train, ev, f"{what}: {len(train):,} train / {len(ev):,} eval tokens"
+
+
+ID_CHECK = 2**26  # tokens of each split whose ids are checked before training
+
+
+def drop_cut_off_record(path: Path) -> str | None:
+    """Removes a last line of `metrics.jsonl` that is not JSON (a crash or a full disk cut it
+    off) and says so; a bad line before the last is an error."""
+    if not path.is_file():
+        return None
+    lines = path.read_bytes().splitlines(keepends=True)
+    bad = [i for i, line in enumerate(lines) if line.strip() and not _is_record(line)]
+    if not bad:
+        return None
+    if bad != [len(lines) - 1]:
+        raise UsageError(f"{str(path)!r} line {bad[0] + 1} is not a JSON record; fix or "
+                         f"delete that line, then resume again")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(lines[:-1]))
+    os.replace(tmp, path)  # never a half-written metrics file, even if this is killed
+    return (f"{path.name}: dropped a cut-off last record ({len(lines[-1])} bytes) that an "
+            f"interrupted write left")
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "step" in record
+
+
+def supersede_steps(ckpt: Path, after: int) -> tuple[list[int], Path]:
+    """Moves the checkpoint steps past `after` to OUT/superseded/ (a resumed run writes its
+    own steps there); returns them and where they went."""
+    later = [s for s in checkpoint_steps(ckpt) if s > after]
+    dest = ckpt.parent / "superseded"
+    for step in later:
+        target, n = dest / str(step), 1
+        while target.exists():  # an earlier resume already put a step of this number there
+            target, n = dest / f"{step}.{n}", n + 1
+        dest.mkdir(exist_ok=True)
+        os.replace(ckpt / str(step), target)
+    return later, dest
+
+
+def saved_config(train_config: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig a checkpoint's `train_config` record describes (unknown keys dropped)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in train_config.items() if k in known})
+
+
+def make_schedule(cfg: TrainConfig):
+    """Linear warm-up to --lr, then cosine decay to --min-lr-ratio × --lr at --steps (or
+    constant)."""
+    import optax
+
+    w, lr = cfg.warmup, cfg.lr
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=lr / w if w else lr, peak_value=lr, warmup_steps=w,
+            decay_steps=max(cfg.steps, w + 1), end_value=lr * cfg.min_lr_ratio)
+    return optax.join_schedules(
+        [optax.linear_schedule(lr / w if w else lr, lr, w), optax.constant_schedule(lr)], [w])
 
 
 def make_optimizer(cfg: TrainConfig):
     """AdamW with linear warm-up then cosine (or constant); returns (optimizer, schedule)."""
     import optax
 
-    w, lr = cfg.warmup, cfg.lr
-    if cfg.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            init_value=lr / w if w else lr, peak_value=lr, warmup_steps=w,
-            decay_steps=max(cfg.steps, w + 1), end_value=lr * cfg.min_lr_ratio)
-    else:
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(lr / w if w else lr, lr, w), optax.constant_schedule(lr)], [w])
+    schedule = make_schedule(cfg)
     # Leaves keep their names in the engine's flat layout, so the mask goes by name, not ndim.
     decay = lambda params: _map_names(params, lambda name: name in ("kernel", "tok", "pos"))
     opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -10,8 +11,14 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps, make_optimizer
-from zerojax.errors import ZeroError
+from zerojax.app.options import (
+    UsageError,
+    checkpoint_steps,
+    intact_hint,
+    make_optimizer,
+    saved_config,
+)
+from zerojax.errors import CheckpointError, ZeroError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +57,24 @@ def sample_main(argv: list[str] | None = None) -> int:
 
 def sample(args: SampleConfig) -> str:
     """The prompt followed by `args.tokens` sampled bytes."""
+    if not args.checkpoint.strip():
+        raise UsageError("CHECKPOINT is empty; pass a train --out directory")
+    if args.tokens < 0 or args.seed < 0 or not (math.isfinite(args.temperature)
+                                                  and args.temperature >= 0):
+        raise UsageError(f"--tokens={args.tokens}, --temperature={args.temperature} and "
+                         f"--seed={args.seed} must be non-negative (and finite)")
     directory = Path(args.checkpoint)
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
     if not checkpoint_steps(directory):
         raise UsageError(f"no checkpoint in {str(directory)!r}; pass a train --out directory")
-    if args.tokens < 0 or args.temperature < 0:
-        raise UsageError("--tokens and --temperature must be non-negative")
+    try:
+        return _sample(args, directory)
+    except CheckpointError as e:
+        raise CheckpointError(intact_hint(e, "--step", "sample")) from None
+
+
+def _sample(args: SampleConfig, directory: Path) -> str:
     import jax
 
     from zerojax import checkpoint
@@ -65,15 +83,14 @@ def sample(args: SampleConfig) -> str:
     from zerojax.models import get_model
 
     meta = checkpoint.read_metadata(directory, args.step)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
     saved = meta.get("extra", {}).get("train_config")
     if not saved:
         raise UsageError(f"{str(directory)!r} was not written by `zerojax train` (no "
                          f"train_config in its metadata)")
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    cfg = saved_config(saved)
     model = get_model(cfg.model)
     engine = Engine(model, make_optimizer(cfg)[0], make_mesh(data=1, devices=jax.devices()[:1]))
-    params = engine.params(engine.restore(directory, meta["step"]))  # stays on device
+    params = engine.params(engine.restore(directory, args.step))  # stays on device
     prompt = args.prompt.encode() or b"\n"
     if max(prompt) >= model.cfg.vocab_size:
         raise UsageError(f"the prompt has bytes >= preset {cfg.model!r}'s vocab_size "

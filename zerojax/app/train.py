@@ -22,13 +22,20 @@ from zerojax.app.options import (
     TRAJECTORY,
     TrainConfig,
     UsageError,
+    check_run_dir,
     check_split,
+    drop_cut_off_record,
+    intact_hint,
     load_data,
     make_optimizer,
+    make_schedule,
     parse_args,
+    saved_config,
+    supersede_steps,
     validate,
 )
-from zerojax.errors import ZeroError
+from zerojax.app.peers import HEARTBEAT_S, PeerWatch
+from zerojax.errors import CheckpointError, ZeroError
 from zerojax.models import PRESETS
 
 DEFAULT_CPU_DEVICES = 4
@@ -60,7 +67,13 @@ def start_runtime(cfg: TrainConfig) -> None:
 
     multi = any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
     if cfg.coordinator is not None or multi:
-        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
+        import jax
+
+        # The runtime would abort every process, with a C++ trace, once one is lost; instead
+        # PeerWatch notices the loss and ends the run with one line.
+        jax.config.update("jax_enable_recoverability", True)
+        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                               heartbeat_timeout_s=HEARTBEAT_S)
 
 
 def select_devices(per_process: int | None):
@@ -91,12 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, 2)
     try:
         cfg = validate(cfg)
-        data = load_data(cfg)
+        data = load_data(cfg)  # before the run directory: a bad file is named whatever --out holds
+        check_run_dir(cfg)
     except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
         return _fail(e, 2)
     start_runtime(cfg)
+    watch = None
     try:
-        return train(cfg, data)
+        import jax
+
+        if jax.process_count() > 1:
+            watch = PeerWatch(jax.process_count(), Path(cfg.out) / "checkpoints")
+        return train(cfg, data, watch)
     except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
         return _fail(e, 2)
     except NonFiniteLoss as e:
@@ -104,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zerojax train: interrupted again; exiting without a checkpoint", file=sys.stderr)
         return 130
+    except Exception:
+        if watch is not None:  # a collective fails when a peer dies: say which, not a trace
+            watch.settle()
+        raise
 
 
 def _fail(error: BaseException, code: int) -> int:
@@ -133,7 +156,8 @@ class _Stop:
 # --------------------------------------------------------------------------------- the run
 
 
-def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
+def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
+          watch: PeerWatch | None = None) -> int:
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
@@ -172,12 +196,30 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     if cfg.resume:
         from zerojax.checkpoint import read_metadata
 
-        state = engine.restore(ckpt)
-        old = read_metadata(ckpt, int(state.step))["extra"].get("train_config", {})
+        try:
+            state = engine.restore(ckpt, cfg.resume_step)
+        except CheckpointError as e:
+            raise CheckpointError(intact_hint(e, "--resume-step")) from None
+        start = int(state.step)
+        old = read_metadata(ckpt, start)["extra"].get("train_config", {})
         changed = [f"{k} {old[k]!r} → {v!r}" for k, v in extra["train_config"].items()
                    if k in TRAJECTORY and k in old and old[k] != v]
         if changed:
             notes.append("resumed with other options than saved: " + ", ".join(changed))
+        if old and start < cfg.steps:
+            notes += filter(None, [schedule_note(saved_config(old), cfg, start)])
+        if cfg.resume_step is not None:
+            if pc > 1:  # every process has read the step before process 0 moves any
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("zerojax resume-step")
+            if lead:
+                later, dest = supersede_steps(ckpt, start)
+                if later:
+                    notes.append(f"resuming from step {start}: later step(s) "
+                                 f"{', '.join(map(str, later))} moved to {dest}/")
+        if lead:
+            notes += filter(None, [drop_cut_off_record(out / "metrics.jsonl")])
     else:
         state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
     start = int(state.step)
@@ -261,6 +303,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
     if lead:
         report.finish(out, log.records, summary, f"{cfg.model}, stage {stage}, "
                                                  f"{len(devices)} devices")
+    if watch is not None:
+        watch.leave(lead)
     if interrupted:
         if lead:
             saved_msg = (f"checkpoint saved in {ckpt} (continue with --resume)" if step else
@@ -268,6 +312,19 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str]) -> int:
             print(f"zerojax train: interrupted at step {step}; {saved_msg}", file=sys.stderr)
         return 128 + (stop.signum or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     return 0
+
+
+def schedule_note(old: TrainConfig, cfg: TrainConfig, start: int) -> str | None:
+    """When a resume changes the learning-rate schedule: its lr for the next step, before and
+    after (the schedule is re-planned over the new --steps, not kept)."""
+    keys = ["lr", "warmup", "schedule", "min_lr_ratio"]
+    if "cosine" in (old.schedule, cfg.schedule):
+        keys.append("steps")
+    if all(getattr(old, k) == getattr(cfg, k) for k in keys):
+        return None
+    was, now = float(make_schedule(old)(start)), float(make_schedule(cfg)(start))
+    return (f"schedule re-planned for {cfg.steps} steps (saved: {old.steps}): lr at step "
+            f"{start + 1} {was:.2e} → {now:.2e}")
 
 
 def _agree(flag: bool, processes: int) -> bool:

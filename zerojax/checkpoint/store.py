@@ -435,7 +435,7 @@ def restore(engine, directory, step: int | None = None):
                     f"step={intact[0]}")
         else:
             more = f"; no older step is intact either (checked {older})" if older else ""
-        raise CheckpointError(f"{e}{more}", intact_steps=intact) from None
+        raise CheckpointError(f"{e}{more}", intact_steps=intact, damage=str(e)) from None
 
     # Only now, with the arrays read and verified, does the engine adopt the recorded units.
     plan = engine.plan
