@@ -1,11 +1,28 @@
-"""Simulated CPU devices and strict numerics for every test; set before jax starts its backend."""
+"""Simulated CPU devices and strict numerics for every test; set before jax starts its backend.
+
+LLVM -O0 and XLA:CPU's legacy (non-fusion-emitter) codegen compile the suite's tiny programs
+~5x faster, within every test's tolerance; the tests check numerics and program structure,
+not speed. The emitters change fusion, and with it temp bytes by up to 1 %, so tests that read
+XLA's buffer figures compile with the default emitters (`helpers.DEFAULT_BUFFERS`).
+"""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The longest files (~20-70 s each on 2 cores), longest first: `--dist loadfile` hands files
+# out in collection order, so the short ones come last and even out the two workers' finish.
+LONGEST_FIRST = ("test_train.py", "test_checkpoint.py", "test_parity.py", "test_engine.py",
+                 "test_compiled.py", "test_bench.py", "test_measure.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))

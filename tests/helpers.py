@@ -12,6 +12,10 @@ from zerojax.units import PlainUnits
 STEPS = 20
 LR, WD, CLIP = 3e-3, 0.1, 0.5
 
+# conftest compiles without XLA:CPU's fusion emitters (faster); they change fusion and with it
+# temp bytes by up to 1 %, so tests that read buffer figures compile with the default ones.
+DEFAULT_BUFFERS = {"xla_cpu_use_fusion_emitters": True}
+
 
 def gpt_batch(cfg, batch, step, seed=0):
     """A deterministic, learnable batch for `step`: random starts of t -> (3t + 1) mod V."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FAST_COMPILE
 from helpers import CLIP, adamw, assert_tree_close, gpt_batch, tiny_gpt
 
 import zerojax as zj
@@ -62,7 +63,7 @@ def worker(devices, *args, **popen):
     deadlocked now and then on a loaded machine (all-gather and reduce-scatter rendezvous).
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
     cmd = [sys.executable, str(WORKER), *map(str, args)]
     if popen:
         return subprocess.Popen(cmd, env=env, cwd=WORKER.parent, text=True, **popen)
@@ -363,7 +364,7 @@ def test_other_dtype(ref):
 
 
 def test_export_bad_input_is_one_line(tmp_path, capsys):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     done = subprocess.run([sys.executable, "-m", "zerojax", "export", str(tmp_path / "nope"),
                            "--out", str(tmp_path / "p.safetensors")], env=env,
                           capture_output=True, text=True, timeout=120)

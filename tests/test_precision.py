@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, engine_run, gpt_batch, reference_run, tiny_gpt
+from helpers import CLIP, adamw, engine_run, reference, tiny_gpt
 
 import zerojax as zj
 from zerojax.models import SeedMLP
@@ -56,8 +56,7 @@ def test_scale_grows_after_the_interval():
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bfloat16_training_tracks_fp32_reference(stage):
     model = tiny_gpt()
-    batches = [gpt_batch(model.cfg, 8, s) for s in range(10)]
-    ref_losses, _ = reference_run(model, adamw(), batches)
+    batches, (ref_losses, _), _ = reference(8, steps=10)
     cfg = zj.ZeroConfig(stage=stage, param_dtype="bfloat16", clip_norm=CLIP)
     losses, _, state = engine_run(zj.Engine(model, adamw(), zj.make_mesh(data=4), cfg), batches)
     assert jax.tree.leaves(state.compute)[0].dtype == np.dtype("bfloat16")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 
 from zerojax.app import options, peers, sample, train
 from zerojax.app.data import embedded_corpus
@@ -28,17 +29,21 @@ SMALL = ["--model", "test", "--batch", "8", "--eval-every", "10", "--eval-batche
          "--quiet"]
 
 
-def _env() -> dict[str, str]:
+def _env(fast: bool = True) -> dict[str, str]:
+    """Each run sets its own device count; `fast`: compile quickly (for runs of a few steps,
+    where compiling dominates)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)  # conftest's 8 devices; each run sets its own count
+    env.pop("XLA_FLAGS", None)
+    if fast:
+        env["XLA_FLAGS"] = FAST_COMPILE
     return env
 
 
-def zerojax(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+def zerojax(*args, cwd=None, timeout=300, fast=True) -> subprocess.CompletedProcess:
     """`python -m zerojax ARGS` in a fresh process, in `cwd` (default: the current directory,
     the test's own tmp_path)."""
     return subprocess.run([sys.executable, "-m", "zerojax", *map(str, args)],
-                          cwd=cwd or Path.cwd(), env=_env(), capture_output=True, text=True,
+                          cwd=cwd or Path.cwd(), env=_env(fast), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -232,7 +237,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, tokens64, capsys, monke
 def test_nano_stage3_learns_and_writes_outputs(tmp_path):
     t = time.perf_counter()
     r = zerojax("train", "--model", "nano", "--stage", 3, "--devices", 4, "--steps", 60,
-                "--eval-every", 20, "--out", tmp_path)
+                "--eval-every", 20, "--out", tmp_path, fast=False)  # mostly steps, not compiles
     wall = time.perf_counter() - t
     assert r.returncode == 0, r.stderr
     recs = records(tmp_path)
