@@ -45,7 +45,7 @@ PRESETS: dict[str, GPTConfig] = {
     # parity tests: compiles in seconds on CPU
     "test": GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64),
     # smallest training preset, byte-level: the quick start's 200 steps of batch 16 take
-    # about 40 s on an idle 2-core CPU
+    # about 25 s on an idle 2-core CPU
     "nano": GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512),
     # memory/benchmark tests on 8 simulated devices: many layers, small width
     "small8": GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=8, d_ff=512),
