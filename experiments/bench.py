@@ -44,8 +44,14 @@ HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as Max
 FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 WARMUP_STEPS = 2  # after the compiling call
 LR = 3e-4
-# Dense bf16 tensor-core peaks (FLOP/s), matched against `device_kind`; --peak-flops overrides.
-PEAK_BF16 = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity), matched in this order as substrings of
+# `jax.devices()[0].device_kind` (e.g. "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA GH200
+# 480GB" matches h200's 989); --peak-flops overrides.
+PEAK_BF16 = {"h100 pcie": 756e12, "h100 nvl": 835e12, "h100": 989e12, "h200": 989e12,
+             "a100": 312e12, "b200": 2250e12}
+FLOPS_FORMULA = ("model FLOPs per token = 6·Ψ + 12·L·T·d (PaLM app. B): Ψ the matmul params "
+                 "(without the embedding tables), L layers, T seq len, d width; no remat "
+                 "recompute; MFU = FLOPs/token × tokens/s ÷ (N × peak bf16 FLOP/s)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,11 +67,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="recompute each layer in backward, in every variant")
     p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip, every variant")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="subset to run (the GSPMD FSDP baseline always runs)")
+                   help="subset to run (the baseline always runs)")
+    p.add_argument("--baseline", default=BASELINE,
+                   help="the variant the ratios are against (optax_single: one device)")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each variant")
     p.add_argument("--overlap", choices=("off", "flags", "o1"), default="off",
                    help="GPU overlap: zerojax.app.overlap XLA flags, or JAX_OPTIMIZATION_LEVEL=O1")
     p.add_argument("--peak-flops", type=float, default=None, help="per-device peak for MFU")
+    p.add_argument("--sequential", action="store_true",
+                   help="build, time and free one variant at a time (one model state in device "
+                        "memory at once; a variant that runs out of memory is reported n/a)")
     p.add_argument("--hlo", nargs="?", const="", metavar="DIR",
                    help="also report compiled-HLO collectives, op counts and peak memory "
                         "(and write each variant's optimized HLO text to DIR)")
@@ -113,6 +124,7 @@ class Variant:
     cpu: list = field(default_factory=list)  # process CPU seconds per step: work, not waiting
     compile_s: float = 0.0
     loss: float = float("nan")
+    memory: dict = field(default_factory=dict)  # the compiled step's memory_analysis, bytes
 
 
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False) -> Variant:
@@ -215,8 +227,8 @@ def floor_variant(model, mesh, args, host_batch) -> Variant:
     return Variant(FLOOR, step, state, batch, lambda: step.lower(state, batch))
 
 
-def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], dict[str, str]]:
-    """All variants that build and warm up; the others map to the reason they are n/a."""
+def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Variant]]:
+    """Every variant this mesh can run, by name, each built on call."""
     makers = {
         BASELINE: lambda: optax_variant(BASELINE, model, mesh, args, host_batch),
         HINTED: lambda: optax_variant(HINTED, model, mesh, args, host_batch, hinted=True),
@@ -231,11 +243,21 @@ def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], d
                                                        host_batch)
     else:
         makers[FLOOR] = lambda: floor_variant(model, mesh, args, host_batch)
-    wanted = set(args.variants or makers) | {BASELINE}
+    return makers
+
+
+def selected(makers, args) -> list[str]:
+    """The names to run, in the makers' order; the baseline always runs."""
+    wanted = set(args.variants or makers) | {args.baseline}
     unknown = wanted - set(makers)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {sorted(makers)}")
-    todo = [n for n in makers if n in wanted]
+    return [n for n in makers if n in wanted]
+
+
+def build_variants(makers, todo, baseline=BASELINE) -> tuple[dict[str, Variant], dict[str, str]]:
+    """The variants `todo` that build and warm up; the others map to the reason they are n/a
+    (the baseline's failure is raised)."""
     log(f"build + compile {', '.join(todo)}")
     # Compiling is untimed and mostly single-threaded: overlap the variants' compiles.
     with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
@@ -249,19 +271,60 @@ def build_variants(model, mesh, args, host_batch) -> tuple[dict[str, Variant], d
             jax.block_until_ready((v.state, m))
             ready[name] = v
         except Exception as e:  # noqa: BLE001 -- e.g. prefetch not built yet: report, go on
-            if name == BASELINE:
+            if name == baseline:
                 raise
-            na[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            na[name] = _reason(e)
             log(f"  {name}: n/a ({na[name]})")
     return ready, na
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _prepare(make) -> Variant:
     v = make()
     t0 = time.perf_counter()
-    v.lower().compile()  # fills the jit cache that v.step then hits
+    compiled = v.lower().compile()  # fills the jit cache that v.step then hits
     v.compile_s = time.perf_counter() - t0
+    v.memory = memory_stats(compiled)
     return v
+
+
+def memory_stats(compiled) -> dict:
+    """Per-device bytes XLA assigned to the compiled step; peak = argument + output - alias +
+    temp (the donated state counted once). Empty where the backend reports nothing."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return {}
+    return {"peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                           - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+            "temp_bytes": mem.temp_size_in_bytes,
+            "argument_bytes": mem.argument_size_in_bytes}
+
+
+def run_sequential(makers, todo, args) -> tuple[dict[str, Variant], dict[str, str]]:
+    """One variant at a time: build, warm up, time, then drop its state before the next, so
+    device memory holds one model state at once. Ratios compare separate time windows, which
+    suits a dedicated accelerator, not a shared CPU."""
+    done, na = {}, {}
+    for name in todo:
+        ready, failed = build_variants(makers, [name], args.baseline)
+        na.update(failed)
+        if name in ready:
+            v = ready[name]
+            try:
+                time_interleaved(ready, args.repeats, args.steps_per_repeat)
+                done[name] = v
+            except Exception as e:  # noqa: BLE001 -- e.g. out of memory while timing
+                if name == args.baseline:
+                    raise
+                na[name] = _reason(e)
+                log(f"  {name}: n/a ({na[name]})")
+            v.state = v.batch = None
+        del ready
+        gc.collect()
+    return done, na
 
 
 # ---------------------------------------------------------------------------------- timing
@@ -285,8 +348,8 @@ def time_interleaved(variants: dict[str, Variant], repeats: int, steps: int) -> 
             f"{n}={variants[n].times[-1] * 1e3:.0f}ms" for n in names))
 
 
-def summarize(variants, na, tokens, flops_per_token, peak, n_dev) -> dict:
-    base = variants[BASELINE].times
+def summarize(variants, na, tokens, flops_per_token, peak, n_dev, baseline=BASELINE) -> dict:
+    base = variants[baseline].times
     out = {}
     for name, v in variants.items():
         t = np.array(v.times)
@@ -300,26 +363,30 @@ def summarize(variants, na, tokens, flops_per_token, peak, n_dev) -> dict:
             "paired_ratio": float(np.median(paired)),
             "paired_ratio_min": float(paired.min()), "paired_ratio_max": float(paired.max()),
             "cpu_s": float(np.median(v.cpu)),
-            "cpu_ratio": float(np.median(v.cpu)) / float(np.median(variants[BASELINE].cpu)),
+            "cpu_ratio": float(np.median(v.cpu)) / float(np.median(variants[baseline].cpu)),
             "tokens_per_s": tps,
             "mfu": None if peak is None else flops_per_token * tps / (peak * n_dev),
             "compile_s": v.compile_s, "loss": v.loss, "times_s": [float(x) for x in t],
+            **v.memory,
         }
     for name, reason in na.items():
         out[name] = {"status": "n/a", "reason": reason}
     return out
 
 
-def targets(res: dict) -> dict:
-    """The issue-7 CPU targets, judged on medians; paired and CPU-time figures alongside."""
+def targets(res: dict, baseline: str = BASELINE) -> dict:
+    """The CPU targets, judged on medians; paired and CPU-time figures alongside. Against
+    another baseline than GSPMD FSDP: stage 3's ratio to it and the stages' spread."""
     ok = lambda n: res.get(n, {}).get("status") == "ok"
     t: dict = {}
-    if ok("stage3"):
+    if ok("stage3") and baseline != BASELINE:
+        t[f"stage3_over_{baseline}"] = res["stage3"]["ratio"]
+    elif ok("stage3"):
         r = res["stage3"]
         t.update(stage3_over_fsdp=r["ratio"], stage3_over_fsdp_paired=r["paired_ratio"],
                  stage3_over_fsdp_cpu=r["cpu_ratio"])
         t["stage3_le_0.8x_fsdp"] = r["ratio"] <= 0.8
-    if ok(FLOOR):  # what a zero-overhead step would score against the baseline
+    if ok(FLOOR) and baseline == BASELINE:  # what a zero-overhead step would score
         t["floor_over_fsdp"] = res[FLOOR]["ratio"]
         t["floor_over_fsdp_cpu"] = res[FLOOR]["cpu_ratio"]
     if all(ok(f"stage{s}") for s in (1, 2, 3)):
@@ -404,11 +471,8 @@ def compiled_stats(v: Variant, directory: str = "") -> dict:
         with open(os.path.join(directory, f"{v.name}.hlo.txt"), "w") as f:
             f.write(text)
     stats = hlo_stats(text)
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        stats["peak_bytes"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                               - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-        stats["temp_bytes"] = mem.temp_size_in_bytes
+    mem = memory_stats(compiled)
+    stats.update({k: mem[k] for k in ("peak_bytes", "temp_bytes") if k in mem})
     return stats
 
 
@@ -421,7 +485,10 @@ def log(msg: str) -> None:
 
 def machine() -> dict:
     dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}  # None on CPU
     return {"platform": dev.platform, "device_kind": dev.device_kind,
+            "device_memory_bytes": stats.get("bytes_limit"),
+            "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "devices_visible": jax.device_count(), "cpu": _cpu_name(),
             "cpu_count": os.cpu_count(), "jax": jax.__version__,
             "python": platform.python_version(), "loadavg_start": os.getloadavg()}
@@ -446,20 +513,22 @@ def peak_flops(args, dev) -> float | None:
 
 def table(result: dict) -> str:
     cfg = result["config"]
+    base = "× fsdp" if result["baseline"] == BASELINE else "× base"
     rows = [f"{cfg['preset']}  N={cfg['devices']}  batch={cfg['batch']}  "
             f"{cfg['param_dtype']}  remat={cfg['remat']}  {cfg['repeats']}×"
             f"{cfg['steps_per_repeat']} steps  ({result['machine']['device_kind']})",
-            f"{'variant':<18}{'median ms':>10}{'min':>8}{'max':>8}{'× fsdp':>8}"
-            f"{'paired':>8}{'cpu ms':>8}{'× fsdp':>8}{'tok/s':>9}{'MFU':>7}"]
+            f"{'variant':<18}{'median ms':>10}{'min':>8}{'max':>8}{base:>8}"
+            f"{'paired':>8}{'cpu ms':>8}{base:>8}{'tok/s':>9}{'MFU':>7}{'peak MB':>10}"]
     for name, r in result["variants"].items():
         if r["status"] != "ok":
             rows.append(f"{name:<18}{'n/a':>10}  {r['reason']}")
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        peak = f"{r['peak_bytes'] / 1e6:.1f}" if "peak_bytes" in r else "-"
         rows.append(f"{name:<18}{r['median_s'] * 1e3:>10.1f}{r['min_s'] * 1e3:>8.1f}"
                     f"{r['max_s'] * 1e3:>8.1f}{r['ratio']:>8.3f}{r['paired_ratio']:>8.3f}"
                     f"{r['cpu_s'] * 1e3:>8.0f}{r['cpu_ratio']:>8.3f}"
-                    f"{r['tokens_per_s']:>9.0f}{mfu:>7}")
+                    f"{r['tokens_per_s']:>9.0f}{mfu:>7}{peak:>10}")
     rows += [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
              for k, v in result["targets"].items()]
     return "\n".join(rows)
@@ -477,11 +546,20 @@ def main(argv=None) -> dict:
     host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     mesh = zj.make_mesh(data=n)
     info = machine()
-    variants, na = build_variants(model, mesh, args, host_batch)
-    time_interleaved(variants, args.repeats, args.steps_per_repeat)
+    makers = variant_makers(model, mesh, args, host_batch)
+    todo = selected(makers, args)
+    if args.sequential:
+        if args.hlo is not None or args.profile:
+            raise SystemExit("--sequential frees each variant after timing it; drop --hlo and "
+                             "--profile, or run without --sequential")
+        variants, na = run_sequential(makers, todo, args)
+    else:
+        variants, na = build_variants(makers, todo)
+        time_interleaved(variants, args.repeats, args.steps_per_repeat)
     info["loadavg_end"] = os.getloadavg()
     peak = peak_flops(args, jax.devices()[0])
-    res = summarize(variants, na, batch_size * c.seq_len, model.flops_per_token(), peak, n)
+    res = summarize(variants, na, batch_size * c.seq_len, model.flops_per_token(), peak, n,
+                    args.baseline)
     if args.hlo is not None:
         for name, v in variants.items():
             log(f"HLO stats {name}")
@@ -497,14 +575,16 @@ def main(argv=None) -> dict:
     result = {
         "config": {**{k: getattr(args, k) for k in ("preset", "param_dtype", "repeats",
                                                     "steps_per_repeat", "remat", "clip_norm",
-                                                    "overlap", "profile")},
+                                                    "overlap", "profile", "sequential")},
                    "devices": n, "batch": batch_size, "seq_len": c.seq_len,
                    "num_params": model.num_params(), "flops_per_token": model.flops_per_token(),
-                   "peak_flops": peak, "overlap_flags": overlap_flags,
+                   "peak_flops": peak, "flops_formula": FLOPS_FORMULA,
+                   "overlap_flags": overlap_flags,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
                    "optimization_level": str(jax.config.jax_optimization_level),
                    "argv": sys.argv[1:]},
-        "machine": info, "baseline": BASELINE, "variants": res, "targets": targets(res),
+        "machine": info, "baseline": args.baseline, "variants": res,
+        "targets": targets(res, args.baseline),
     }
     if args.json is None or args.json != "-":
         print(table(result))

@@ -165,3 +165,114 @@ def test_overlap_flags_are_accepted_by_xla_and_only_set_before_the_backend():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok ")
     assert all(f in proc.stdout for f in xla_overlap_flags(2**20))
+
+
+# --- scripts/gpu_bench.sh -------------------------------------------------------------------
+
+GPU_BENCH = ROOT / "experiments" / "gpu_bench.py"
+
+
+def _load_gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", GPU_BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
+    # The GPU command on 2 simulated CPU devices: plain optax (GSPMD at N = 2) and stage 3,
+    # without and with the overlap flags, and the largest-shape search over one tiny shape.
+    fast = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast,
+           "PYTHON": sys.executable}
+    cmd = [str(ROOT / "scripts" / "gpu_bench.sh"), "--out", str(tmp_path), "--preset", "test",
+           "--devices", "2", "--batch", "4", "--repeats", "5", "--steps-per-repeat", "1",
+           "--variants", "stage3", "--largest-variants", "stage3", "--largest-shapes", "test"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    md = (tmp_path / "gpu_bench.md").read_text()
+    assert proc.stdout.strip() == md.strip()
+    parts = result["parts"]
+    assert set(parts) == {"bench", "overlap", "largest"}
+    for part, overlap in (("bench", "off"), ("overlap", "flags")):
+        run = parts[part]
+        assert run["config"]["overlap"] == overlap and run["config"]["sequential"]
+        assert run["config"]["overlap_flags"] == []  # CPU: the GPU flags are not added
+        assert run["baseline"] == "gspmd_fsdp"
+        assert "6·Ψ + 12·L·T·d" in run["config"]["flops_formula"]
+        for name in ("gspmd_fsdp", "stage3"):
+            v = run["variants"][name]
+            assert v["status"] == "ok" and v["mfu"] is None  # no peak FLOP/s for a CPU
+            assert v["tokens_per_s"] == pytest.approx(4 * 16 / v["median_s"])
+            assert 0 < v["temp_bytes"] < v["peak_bytes"]
+            assert f"| {name} | {'on (no effect' if overlap == 'flags' else 'off |'}" in md
+    lg = parts["largest"]["variants"]["stage3"]
+    assert (lg["largest"], lg["first_failing"], lg["top_of_search"]) == ("test", None, True)
+    probe = lg["probes"]["test"]
+    assert probe["ok"] and probe["variant"] == "stage3" and probe["num_params"] == 21760
+    assert probe["peak_bytes"] > 0 and 3.0 < probe["loss"] < 5.0
+    assert "offload" in result["not_measured"][0] and "Not measured: stage 3 + optimizer" in md
+
+
+def test_gpu_bench_largest_search_walks_from_the_estimate(tmp_path, monkeypatch):
+    gb = _load_gpu_bench()
+    sizes = {n: gb.GPT(c).num_params() for n, c in gb.gpt_family().items()}
+    limit = sizes["gpt3-13b"]  # pretend: every shape up to 13B steps, nothing larger
+    calls = []
+
+    def fake(args, out, shape, variant):
+        calls.append(shape)
+        ok = sizes[shape] <= limit
+        return {"shape": shape, "num_params": sizes[shape], "ok": ok,
+                **({"peak_bytes": 1} if ok else {"reason": "RESOURCE_EXHAUSTED"})}
+
+    monkeypatch.setattr(gb, "_probe", fake)
+    names = list(sizes)
+    # 80 GB: the planner guesses 33B (too big: down); 20 GB: 7B (up); unknown: the smallest.
+    for memory, start in ((80e9, "gpt-33b"), (20e9, "7b"), (None, "gpt3-125m")):
+        calls.clear()
+        args = gb.parse_args(["--devices", "8", "--largest-variants", "stage3"])
+        args.largest_batch, args.memory = 8, memory
+        gb.run_largest(args, tmp_path)
+        r = json.loads((tmp_path / "largest.json").read_text())["variants"]["stage3"]
+        assert r["estimate_start"] == start
+        assert (r["largest"], r["first_failing"]) == ("gpt3-13b", "neox-20b")
+        assert r["probes"]["neox-20b"]["reason"] == "RESOURCE_EXHAUSTED"
+        i, j = names.index(start), names.index("gpt3-13b")
+        # up from the estimate while it steps, or down while it does not: no shape twice
+        expected = names[i:j + 2] if i <= j else names[j:i + 1][::-1]
+        assert calls == expected
+
+
+def test_gpu_bench_script_finds_the_project_venv(tmp_path):
+    # A copy of the script beside a fake .venv/bin/python that logs its arguments.
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "gpu_bench.sh"
+    script.write_text((ROOT / "scripts" / "gpu_bench.sh").read_text())
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    venv_python.write_text(f'#!/bin/sh\necho "$0 $*" >> {log}\n')
+    venv_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    proc = subprocess.run(["bash", str(script), "--out", "x y"], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    python, args = log.read_text().strip().split(" ", 1)
+    assert Path(python).resolve() == venv_python
+    assert args == f"{tmp_path / 'experiments' / 'gpu_bench.py'} --out x y"
+
+
+def test_gpu_bench_failed_part_is_reported_not_stale(tmp_path, monkeypatch, capsys):
+    gb = _load_gpu_bench()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # main sets it if unset
+    (tmp_path / "bench.json").write_text("{}")  # from an earlier run
+    monkeypatch.setattr(gb, "child", lambda cmd, timeout, log_path: subprocess.CompletedProcess(
+        cmd, 1, "", "RESOURCE_EXHAUSTED: out of memory"))
+    assert gb.main(["--out", str(tmp_path), "--parts", "bench"]) == 1
+    err = capsys.readouterr().err
+    assert "bench: experiments/bench.py failed (rc 1)" in err and "out of memory" in err
+    assert "failed: bench" in err
+    assert not (tmp_path / "bench.json").exists()
+    assert json.loads((tmp_path / "gpu_bench.json").read_text())["parts"] == {}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from zerojax.models import GPT, PRESETS, GPTConfig, SeedMLP, TinyTransformer, get_model
+from zerojax.models import gpt as gpt_module
 from zerojax.units import PlainUnits
 
 # seed 000: one example per GPU
@@ -190,6 +191,57 @@ def test_gpt_batch_validation(gpt_test):
         model.loss(params, bad, PlainUnits())
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(vocab_size=8, seq_len=4, d_model=10, n_heads=3, n_layers=1, d_ff=8)
+
+
+def _reference_attention(q, k, v):
+    """Causal attention written out, as GPT computed it before `jax.nn.dot_product_attention`."""
+    T, K = q.shape[1], q.shape[3]
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * (K**-0.5)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2),
+                                        (jnp.float16, 1e-3)])
+def test_gpt_attention_matches_the_written_out_formula(dtype, tol):
+    q, k, v = (jax.random.normal(key, (3, 16, 4, 8), dtype)
+               for key in jax.random.split(jax.random.key(7), 3))
+    loss = lambda fn: lambda *qkv: jnp.sum(jnp.sin(fn(*qkv).astype(jnp.float32)))
+    for fn in (gpt_module.dot_product_attention, gpt_module.causal_attention):
+        out, ref = jax.jit(fn)(q, k, v), jax.jit(_reference_attention)(q, k, v)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                   rtol=tol, atol=tol)
+        grads = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
+        ref_grads = jax.grad(loss(_reference_attention), argnums=(0, 1, 2))(q, k, v)
+        for g, r in zip(grads, ref_grads):
+            assert np.any(np.asarray(r, np.float32) != 0)
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                       rtol=tol, atol=tol)
+    # The first query sees only the first key: its output is v[:, 0] exactly.
+    np.testing.assert_allclose(gpt_module.dot_product_attention(q, k, v)[:, 0], v[:, 0])
+
+
+def test_gpt_uses_dot_product_attention_and_cudnn_only_where_it_can(gpt_test, monkeypatch):
+    model, params, batch = gpt_test
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    model.apply(params, batch["inputs"])
+    assert calls == [{"is_causal": True, "implementation": "xla"}]  # the layers are one scan
+    pick = gpt_module.attention_implementation
+    assert pick(jnp.bfloat16, 64) == "xla"  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert pick(jnp.bfloat16, 128) == pick(jnp.float16, 64) == "cudnn"
+    assert pick(jnp.float32, 64) == pick(jnp.bfloat16, 12) == pick(jnp.bfloat16, 512) == "xla"
+    # A "GPU" without cuDNN (this CPU): the trace-time check fails, XLA computes, with a warning.
+    q = jax.random.normal(jax.random.key(0), (2, 8, 2, 8), jnp.bfloat16)
+    with pytest.warns(UserWarning, match="cuDNN attention unavailable"):
+        out = gpt_module.dot_product_attention(q, q, q)
+    np.testing.assert_array_equal(out, real(q, q, q, is_causal=True, implementation="xla"))
+    assert calls[-2:] == [{"is_causal": True, "implementation": "cudnn"},
+                          {"is_causal": True, "implementation": "xla"}]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

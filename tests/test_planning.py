@@ -217,3 +217,88 @@ def test_measure_command_needs_a_fresh_process_for_more_devices(capsys, keep_xla
         measure_main(["--model", "test", "--devices", "16"])
     assert exc.value.code == 2
     assert "run it in a fresh process" in capsys.readouterr().err
+
+
+# --- plan --largest -----------------------------------------------------------------------
+
+def test_activation_estimate_is_the_stated_formula():
+    from zerojax.analysis.planning import activation_bytes
+
+    c = GPT.from_preset("1b").cfg  # T = 2048, d = 2048, 16 heads, 18 layers, V = 32000
+    layer = 2 * 2048 * 2048 * (34 + 5 * 16 * 2048 / 2048)  # b = 2, bf16: 2 bytes a value
+    logits = 2 * 2048 * 32000 * (2 + 8)
+    on = activation_bytes(c, 2, "bfloat16", remat=True)
+    assert on == {"layers": 18 * 2 * 2048 * 2048 * 2 + layer, "logits": logits,
+                  "total": 18 * 2 * 2048 * 2048 * 2 + layer + logits}
+    off = activation_bytes(c, 2, "float32", remat=False)
+    assert off["layers"] == 18 * 2 * layer and off["logits"] == 2 * 2048 * 32000 * 12
+
+
+def test_largest_is_the_biggest_shape_whose_estimate_fits():
+    from zerojax.analysis.accounting import state_estimate
+    from zerojax.analysis.planning import activation_bytes, estimate_fit, gpt_family, largest
+
+    family = gpt_family()
+    sizes = [GPT(c).num_params() for c in family.values()]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)  # no shape twice
+    assert family["7b"] == GPT.from_preset("7b").cfg and "gpt3-175b" in family
+    rows = largest(1, 80e9)
+    assert [(r["stage"], r["remat"]) for r in rows] == [(s, r) for s in range(4)
+                                                        for r in (True, False)]
+    for r in rows:
+        f, nx = r["fits"], r["next"]
+        cfg = family[f.name]
+        psi = GPT(cfg).num_params()
+        # On one device every stage keeps the whole state: 16 bytes a param, grads included.
+        assert f.state == state_estimate(psi, 1, r["stage"]).total == 16 * psi
+        assert f.activations == activation_bytes(cfg, 1, "bfloat16", r["remat"])["total"]
+        assert f.gathered == 0 and f.peak == f.state + f.activations <= 80e9 < nx.peak
+        names = list(family)
+        assert names.index(nx.name) == names.index(f.name) + 1  # the very next shape
+    assert {r["fits"].name for r in rows if r["remat"]} == {"gpt-4b"}
+    assert {r["fits"].name for r in rows if not r["remat"]} == {"gpt3-2.7b"}
+    # Eight devices: sharding lets stage 3 reach further than stage 0; it adds one gathered
+    # unit (here the 32000 x 6144 table) and its gradient.
+    by_stage = {r["stage"]: r["fits"] for r in largest(8, 80e9, remat=(True,))}
+    assert by_stage[0].name == "gpt-4b" and by_stage[3].num_params > 4 * by_stage[0].num_params
+    f3 = by_stage[3]
+    assert f3 == estimate_fit(f3.name, family[f3.name], 8, 3, 1)
+    assert f3.gathered == 2 * 2 * max(family[f3.name].layer_params,
+                                      family[f3.name].vocab_size * family[f3.name].d_model)
+    assert largest(1, 1e9, stages=(0,), remat=(True,))[0]["fits"] is None  # nothing fits
+
+
+def test_plan_largest_command(capsys):
+    argv = ["--devices", "1", "--memory", "80GB", "--largest"]
+    assert plan_main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert (out["devices"], out["device_memory"], out["batch"]) == (1, 80_000_000_000, 1)
+    rows = {(r["stage"], r["remat"]): r for r in out["largest"]}
+    assert rows[3, True]["fits"]["name"] == "gpt-4b" and rows[3, True]["next"]["name"] == "7b"
+    assert rows[0, False]["fits"]["name"] == "gpt3-2.7b"
+    for key in ("global batch", "sequence length", "params and grads", "master params",
+                "optimizer", "activations", "remat"):
+        assert f"{key}:" in captured.err and out["assumptions"][key] in captured.err
+    assert out["assumptions"]["global batch"] == "1 sequence (1 per device), no grad_accum"
+    assert plan_main([*argv, "--stages", "3", "--remat", "on"]) == 0
+    table = capsys.readouterr().out
+    assert "gpt-4b" in table and "4.28B" in table and "7b (6.71B)" in table
+    assert table.count("gpt-4b") == 1  # one row: stage 3, remat on
+    assert plan_main(["--devices", "1", "--memory", "1GB", "--largest", "--stages", "0"]) == 1
+    captured = capsys.readouterr()
+    assert "nothing fits: the smallest shape, gpt3-125m, needs more than 1.00 GB" in captured.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "2", "--memory", "80GB", "--largest", "--batch", "3"],
+     "--batch 3 is not divisible by --devices 2"),
+    (["--devices", "1", "--memory", "80GB", "--largest", "--model", "1b"], "drop --model 1b"),
+    (["--devices", "1", "--memory", "80GB"], "required: --model (or --largest)"),
+])
+def test_plan_largest_bad_options_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

@@ -153,10 +153,11 @@ def _gpt_and_batch(preset: str, batch: int):
     return model, {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
 
 
-def _model_args(p: _Parser) -> None:
+def _model_args(p: _Parser, model_required: bool = True) -> None:
     from zerojax.models.gpt import PRESETS
 
-    p.add_argument("--model", required=True, choices=sorted(PRESETS), help="GPT preset")
+    p.add_argument("--model", required=model_required, choices=sorted(PRESETS),
+                   help="GPT preset" + ("" if model_required else " (required unless --largest)"))
     p.add_argument("--devices", type=_positive, required=True, help="data-parallel devices")
     p.add_argument("--batch", type=_positive, default=None,
                    help="global batch in sequences (default: devices x the largest grad_accum)")
@@ -320,10 +321,14 @@ def measure_main(argv: list[str]) -> int:
 
 
 def plan_main(argv: list[str]) -> int:
-    """`python -m zerojax plan --model 7b --devices 64 --memory 80GB [--json]`."""
+    """`python -m zerojax plan --model 7b --devices 64 --memory 80GB [--json]`; with
+    `--largest` instead of `--model`: the largest GPT per stage, estimated."""
     p = _Parser(prog="zerojax plan", description="the cheapest configuration that fits")
-    _model_args(p)
+    _model_args(p, model_required=False)
     p.add_argument("--memory", type=_size, required=True, help="per device, e.g. 80GB")
+    p.add_argument("--largest", action="store_true",
+                   help="instead: the largest GPT shape that fits per stage and remat, "
+                        "estimated (nothing compiled; --batch is the global batch)")
     p.add_argument("--stages", type=_stages, default="all", help="all or e.g. 0,3")
     p.add_argument("--remat", choices=("both", "on", "off"), default="both",
                    help="recompute each layer in backward: try both, or only on/off")
@@ -332,6 +337,10 @@ def plan_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if min(a.grad_accum) < 1:
         p.error(f"--grad-accum {a.grad_accum}: every value must be >= 1")
+    if a.largest:
+        return _largest_main(p, a)
+    if a.model is None:
+        p.error("the following arguments are required: --model (or --largest)")
     _start_devices(p, a.devices)
     from zerojax.errors import ZeroError
 
@@ -377,4 +386,80 @@ def plan_main(argv: list[str]) -> int:
     print(f"chosen: stage {b.stage}, remat {'on' if b.remat else 'off'}, grad_accum "
           f"{b.grad_accum}: peak {format_bytes(b.peak_bytes)}, "
           f"sends {format_bytes(b.comm_bytes)} per step per device")
+    return 0
+
+
+def _largest_main(p: _Parser, a) -> int:
+    """`plan --largest`: per stage and remat, the largest shape of `gpt_family()` whose estimated
+    peak fits `--memory`, from formulas alone."""
+    from zerojax.analysis.planning import FAMILY_PRESETS, activation_bytes, gpt_family, largest
+
+    if a.model is not None:
+        p.error(f"--largest searches GPT shapes itself; drop --model {a.model}")
+    batch = a.batch or a.devices
+    if batch % a.devices:
+        p.error(f"--batch {batch} is not divisible by --devices {a.devices}; use a multiple")
+    b = batch // a.devices
+    remat = {"both": (True, False), "on": (True,), "off": (False,)}[a.remat]
+    family = gpt_family()
+    try:
+        rows = largest(a.devices, a.memory, batch_per_device=b, param_dtype=a.param_dtype,
+                       stages=a.stages, remat=remat, family=family)
+    except EstimateError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    dtype = a.param_dtype
+    sample = activation_bytes(family["1b"], b, dtype, True)
+    facts = {
+        "memory budget": f"{format_bytes(a.memory)} per device for the estimated peak",
+        "devices": f"{a.devices} (data parallel; stages 1-3 shard over all of them)",
+        "global batch": f"{batch} sequence{'s' if batch > 1 else ''} ({b} per device), "
+                        "no grad_accum",
+        "sequence length": ", ".join(sorted({str(c.seq_len) for c in family.values()})),
+        "params and grads": f"{dtype}",
+        "master params": "float32" if dtype != "float32" else
+                         "the float32 params themselves in stages 0 and 3",
+        "optimizer": "AdamW, moments in float32 (state: zerojax.analysis.accounting."
+                     "state_estimate, grads included)",
+        "activations": "Korthikanti et al. 2022 per layer, b·T·d·(34 + 5·a·T/d) at 2 bytes "
+                       "(scaled to the dtype; attention scores counted, as XLA's attention "
+                       "keeps them), the logits in compute dtype + float32 log-softmax and "
+                       f"gradient (1b with remat: {format_bytes(sample['total'])})",
+        "remat": "on: each layer keeps its input, one layer recomputed at a time; off: every "
+                 "layer keeps all",
+        "stage 3": "+ one gathered unit (the largest layer or vocabulary table) and its "
+                   "gradient in compute dtype",
+        "shapes": f"{len(family)} GPT shapes: the presets {', '.join(FAMILY_PRESETS)} and "
+                  f"GPT-3's table and neighbours (d_ff = 4d); see planning.gpt_family",
+        "not modelled": "fragmentation, XLA's extra temps, collective buffers: keep a margin "
+                        "(zerojax measure compiles the step and reads the real peak)",
+    }
+    _print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
+                       f"{format_bytes(a.memory)} each", facts)
+    if a.json:
+        out = [{"stage": r["stage"], "remat": r["remat"],
+                "fits": r["fits"] and r["fits"].as_dict(),
+                "next": r["next"] and r["next"].as_dict()} for r in rows]
+        print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
+                          "param_dtype": dtype, "assumptions": facts, "largest": out},
+                         indent=1))
+        return 0 if any(r["fits"] for r in rows) else 1
+    fmt = format_bytes
+    table = []
+    for r in rows:
+        f, nx = r["fits"], r["next"]
+        table.append({
+            "stage": r["stage"], "remat": "on" if r["remat"] else "off",
+            "largest": f.name if f else "none",
+            "params": f"{f.num_params / 1e9:.2f}B" if f else "-",
+            "peak": fmt(f.peak) if f else "-", "state": fmt(f.state) if f else "-",
+            "activations": fmt(f.activations) if f else "-",
+            "stage-3 unit": fmt(f.gathered) if f and f.gathered else "-",
+            "next larger": f"{nx.name} ({nx.num_params / 1e9:.2f}B): {fmt(nx.peak)}"
+                           if nx else "-"})
+    _print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
+                 f"each (estimated)", table)
+    if not any(r["fits"] for r in rows):
+        print(f"nothing fits: the smallest shape, {next(iter(family))}, needs more than "
+              f"{format_bytes(a.memory)}", file=sys.stderr)
+        return 1
     return 0

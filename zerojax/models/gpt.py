@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import flax.linen as nn
 import jax
@@ -64,7 +65,11 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK) -> jax.Array:
-    """Causal softmax attention; scores and softmax in fp32, output in v's dtype."""
+    """Causal softmax attention written out; scores and softmax in fp32, output in v's dtype.
+
+    TinyTransformer's attention (its hand-checked numbers depend on this exact arithmetic);
+    GPT uses `dot_product_attention`.
+    """
     T, K = q_BxTxHxK.shape[1], q_BxTxHxK.shape[3]
     s_BxHxTxT = jnp.einsum(
         "bqhk,bshk->bhqs", q_BxTxHxK, k_BxTxHxK, preferred_element_type=jnp.float32
@@ -73,6 +78,41 @@ def causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK) -> jax.Array:
     s_BxHxTxT = jnp.where(mask_TxT[None, None], s_BxHxTxT, jnp.finfo(jnp.float32).min)
     p_BxHxTxT = jax.nn.softmax(s_BxHxTxT, axis=-1).astype(v_BxTxHxK.dtype)
     return jnp.einsum("bhqs,bshk->bqhk", p_BxHxTxT, v_BxTxHxK)
+
+
+# cuDNN's fused (flash) attention: half-precision inputs, head dims it has kernels for.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_HEAD_DIMS = range(8, 257, 8)
+
+
+def attention_implementation(dtype, head_dim: int) -> str:
+    """The `jax.nn.dot_product_attention` backend GPT uses: "cudnn" (flash attention) on GPU
+    for bf16/fp16 and a head dim cuDNN supports, else "xla" (the same arithmetic unfused)."""
+    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in _CUDNN_DTYPES
+            and head_dim in _CUDNN_HEAD_DIMS):
+        return "cudnn"
+    return "xla"
+
+
+def dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK) -> jax.Array:
+    """Causal softmax attention through `jax.nn.dot_product_attention`; scores and softmax in
+    fp32, output in v's dtype, as `causal_attention` computes it (fused on GPU)."""
+    impl = attention_implementation(q_BxTxHxK.dtype, q_BxTxHxK.shape[3])
+    if impl == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK,
+                                                is_causal=True, implementation="cudnn")
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            # An older cuDNN, or a shape it has no kernel for: the checks run at trace time.
+            # (Python's default filter shows a warning once per call site.)
+            warnings.warn(f"cuDNN attention unavailable ({str(e).splitlines()[0][:200]}); "
+                          f"GPT attention runs unfused through XLA", stacklevel=2)
+    if q_BxTxHxK.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # jax's XLA attention asks for an F16_F16_F32 dot, which XLA:CPU rejects when the step
+        # is lowered (too late for jax's own fallback); the written-out formula is the same.
+        return causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+    return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
+                                        implementation="xla")
 
 
 def cross_entropy(logits_BxTxV, targets_BxT) -> jax.Array:
@@ -104,7 +144,7 @@ class Attention(nn.Module):
         qkv = nn.Dense(3 * D, kernel_init=_init, name="qkv")(x_BxTxD)
         qkv_Bx3xTxHxK = qkv.reshape(B, T, 3, c.n_heads, D // c.n_heads)
         q, k, v = (qkv_Bx3xTxHxK[:, :, i] for i in range(3))
-        o_BxTxD = causal_attention(q, k, v).reshape(B, T, D)
+        o_BxTxD = dot_product_attention(q, k, v).reshape(B, T, D)
         return nn.Dense(D, kernel_init=_init, name="out")(o_BxTxD)
 
 

@@ -1,0 +1,310 @@
+"""The GPU benchmark behind scripts/gpu_bench.sh: MFU, tokens/s and compiled peak memory of
+plain optax against zerojax stages 0-3, without and with the XLA overlap flags, and the largest
+GPT shape each steps without running out of memory. Writes DIR/gpu_bench.json and
+DIR/gpu_bench.md.
+
+Every measurement runs in its own process (experiments/bench.py, or a `--probe` of this
+script), so an out-of-memory failure costs one figure, not the run, and the parent never starts
+a jax backend (on a GPU that would take the memory the children need). Parts: `bench`, `overlap`
+and `largest` each write DIR/<part>.json; the report is rebuilt from whichever are there, so a
+part can be rerun alone (`--parts largest`).
+
+    .venv/bin/python experiments/gpu_bench.py --out runs/gpu_bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # zerojax from this checkout, as bench.py gets it
+
+from zerojax.analysis.accounting import format_bytes  # noqa: E402 -- no jax backend started
+from zerojax.analysis.planning import gpt_family, largest  # noqa: E402
+from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
+
+PARTS = ("bench", "overlap", "largest")
+STAGES = [f"stage{s}" for s in range(4)]
+NOT_BUILT = ("stage 3 + optimizer offload (the engine has no offload option yet: ZeroConfig has "
+             "no `offload` field)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/gpu_bench", help="directory for the results")
+    p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    p.add_argument("--devices", type=int, default=1, help="mesh size N")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default 8·N)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps-per-repeat", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=STAGES, choices=STAGES,
+                   help="zerojax stages to time next to plain optax")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--largest-variants", nargs="+", default=["optax", "stage3"],
+                   choices=["optax", *STAGES], help="variants whose largest shape is probed")
+    p.add_argument("--largest-shapes", nargs="+", default=None,
+                   help="shapes to search, smallest first (default: planning.gpt_family(); "
+                        "preset names work too)")
+    p.add_argument("--largest-batch", type=int, default=None,
+                   help="global batch of the largest-shape probes (default: one sequence per "
+                        "device)")
+    p.add_argument("--memory", type=float, default=None,
+                   help="device bytes for the planner's first guess (default: the device's)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per child process")
+    p.add_argument("--probe", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def optax_name(devices: int) -> str:
+    """Plain jax + optax: one device without shardings, else GSPMD FSDP."""
+    return "optax_single" if devices == 1 else "gspmd_fsdp"
+
+
+def shapes(args) -> dict:
+    family = {**gpt_family(), **PRESETS}
+    names = args.largest_shapes or list(gpt_family())
+    unknown = [n for n in names if n not in family]
+    if unknown:
+        raise SystemExit(f"unknown --largest-shapes {unknown}; choose from {sorted(family)}")
+    return {n: family[n] for n in names}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def child(cmd: list[str], timeout: int, log_path: Path) -> subprocess.CompletedProcess:
+    log(f"$ {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(cmd, 124, e.stdout or "", f"timed out after {timeout} s")
+    with open(log_path, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    log(f"  rc {proc.returncode} in {time.perf_counter() - t0:.0f} s")
+    return proc
+
+
+# ---------------------------------------------------------------------------------- parts
+
+
+def run_bench(args, out: Path, overlap: str) -> bool:
+    """One bench.py run; False (and the reason on stderr) if it failed."""
+    name = "bench" if overlap == "off" else "overlap"
+    base = optax_name(args.devices)
+    cmd = [sys.executable, str(HERE / "bench.py"), "--preset", args.preset,
+           "--devices", str(args.devices), "--batch", str(args.batch),
+           "--repeats", str(args.repeats), "--steps-per-repeat", str(args.steps_per_repeat),
+           "--baseline", base, "--variants", base, *args.variants, "--sequential",
+           "--overlap", overlap, "--json", str(out / f"{name}.json")]
+    (out / f"{name}.json").unlink(missing_ok=True)  # a failed run leaves no stale figures
+    proc = child(cmd, args.timeout, out / f"{name}.log")
+    if proc.returncode:
+        log(f"{name}: experiments/bench.py failed (rc {proc.returncode}); see "
+            f"{out / f'{name}.log'}:\n{proc.stderr[-2000:]}")
+    return proc.returncode == 0
+
+
+def probe(args) -> dict:
+    """In this process: build `VARIANT` of shape `SHAPE`, compile it, take two steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", HERE / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = bench  # dataclasses look their module up by name
+    spec.loader.exec_module(bench)
+    shape, variant = args.probe
+    cfg = shapes(argparse.Namespace(largest_shapes=[shape]))[shape]
+    bargs = bench.parse_args(["--devices", str(args.devices), "--batch", str(args.batch)])
+    bench.setup_backend(bargs)
+    import jax
+    import numpy as np
+
+    import zerojax as zj
+
+    model = GPT(cfg)
+    tokens = np.zeros((args.batch, cfg.seq_len + 1), np.int32)
+    host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    name = optax_name(args.devices) if variant == "optax" else variant
+    out = {"shape": shape, "variant": name, "num_params": model.num_params(),
+           "device_kind": jax.devices()[0].device_kind}
+    try:
+        makers = bench.variant_makers(model, zj.make_mesh(data=args.devices), bargs, host_batch)
+        v = bench._prepare(makers[name])
+        out.update(v.memory)
+        for _ in range(2):
+            v.state, m = v.step(v.state, v.batch)
+        jax.block_until_ready((v.state, m))
+        out.update(ok=True, loss=float(np.mean(m["loss"])))
+    except Exception as e:  # noqa: BLE001 -- out of memory, mostly: the answer, not a failure
+        out.update(ok=False, reason=bench._reason(e))
+    return out
+
+
+def run_largest(args, out: Path) -> None:
+    """Per variant: from the planner's estimate, up while it steps, down while it does not."""
+    family = shapes(args)
+    names = list(family)
+    memory = args.memory or _device_memory(out)
+    batch_per_device = args.largest_batch // args.devices
+    results = {}
+    for variant in args.largest_variants:
+        start = 0
+        if memory:
+            stage = 0 if variant == "optax" else int(variant[-1])
+            row = largest(args.devices, memory, batch_per_device=batch_per_device,
+                          stages=(stage,), remat=(True,), family=family)[0]
+            start = names.index(row["fits"].name) if row["fits"] else 0
+        probes: dict[str, dict] = {}
+        i = start
+        while 0 <= i < len(names):
+            probes[names[i]] = p = _probe(args, out, names[i], variant)
+            step = 1 if p["ok"] else -1
+            nxt = i + step
+            if not 0 <= nxt < len(names) or names[nxt] in probes:
+                break
+            if p["ok"] is False and i > start:  # going up, and this one failed: done
+                break
+            i = nxt
+        ok = [n for n in names if probes.get(n, {}).get("ok")]
+        best = ok[-1] if ok else None
+        bigger = [n for n in names if n in probes and not probes[n]["ok"]
+                  and (best is None or names.index(n) > names.index(best))]
+        results[variant] = {"largest": best, "first_failing": bigger[0] if bigger else None,
+                            "estimate_start": names[start], "probes": probes,
+                            "top_of_search": best == names[-1]}
+    (out / "largest.json").write_text(json.dumps(
+        {"devices": args.devices, "batch": args.largest_batch, "memory_for_estimate": memory,
+         "shapes": names, "variants": results}, indent=1))
+
+
+def _probe(args, out: Path, shape: str, variant: str) -> dict:
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--probe", shape, variant,
+           "--devices", str(args.devices), "--batch", str(args.largest_batch)]
+    proc = child(cmd, args.timeout, out / "largest.log")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    return {"shape": shape, "variant": variant, "ok": False,
+            "reason": f"process exited {proc.returncode}: {tail}"}
+
+
+def _device_memory(out: Path) -> float | None:
+    for part in ("bench", "overlap"):
+        path = out / f"{part}.json"
+        if path.exists():
+            return json.loads(path.read_text())["machine"].get("device_memory_bytes")
+    return None
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def report(out: Path) -> dict:
+    """DIR/gpu_bench.json and DIR/gpu_bench.md from the parts' files present."""
+    parts = {p: json.loads((out / f"{p}.json").read_text()) for p in PARTS
+             if (out / f"{p}.json").exists()}
+    result = {"parts": parts, "not_measured": [NOT_BUILT]}
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu_bench.md").write_text(markdown(parts))
+    return result
+
+
+def markdown(parts: dict) -> str:
+    lines = ["# zerojax GPU benchmark", ""]
+    runs = [parts[p] for p in ("bench", "overlap") if p in parts]
+    if runs:
+        cfg, m = runs[0]["config"], runs[0]["machine"]
+        peak = cfg["peak_flops"]
+        lines += [
+            f"- device: {m['device_kind']} × {cfg['devices']} ({m['platform']}), memory "
+            f"{_size(m['device_memory_bytes'])} each (as XLA's allocator reports it); "
+            f"jax {m['jax']}",
+            f"- peak: {f'{peak / 1e12:.0f} TFLOP/s dense bf16' if peak else 'unknown (no MFU)'}"
+            f" per device, from `bench.PEAK_BF16` by device kind",
+            f"- model: {cfg['preset']} ({cfg['num_params']:,} params), global batch "
+            f"{cfg['batch']} × {cfg['seq_len']} tokens, {cfg['param_dtype']} compute, float32 "
+            f"master and AdamW moments, remat per layer {cfg['remat']}, clip {cfg['clip_norm']}",
+            f"- {cfg['flops_formula']}: {cfg['flops_per_token']:,} FLOPs per token",
+            f"- timing: {cfg['repeats']} repeats × {cfg['steps_per_repeat']} steps per variant, "
+            f"one variant at a time (--sequential), after compile and warm-up; median",
+            "- peak memory: the compiled step's `memory_analysis()` (argument + output − "
+            f"donated + temp), per device; XLA_PYTHON_CLIENT_MEM_FRACTION="
+            f"{m.get('mem_fraction') or '-'}", "",
+            "| variant | XLA overlap flags | median ms | tokens/s | MFU | × optax | peak |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+        for run in runs:
+            flags = "on" if run["config"]["overlap"] == "flags" else "off"
+            if flags == "on" and not run["config"]["overlap_flags"]:
+                flags = "on (no effect: not a GPU)"
+            for name, r in run["variants"].items():
+                if r["status"] != "ok":
+                    lines.append(f"| {name} | {flags} | n/a: {r['reason']} | | | | |")
+                    continue
+                mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+                lines.append(f"| {name} | {flags} | {r['median_s'] * 1e3:.1f} | "
+                             f"{r['tokens_per_s']:,.0f} | {mfu} | {r['ratio']:.3f} | "
+                             f"{_size(r.get('peak_bytes'))} |")
+        lines.append("")
+    if "largest" in parts:
+        lg = parts["largest"]
+        lines += ["## Largest GPT that steps", "",
+                  f"Batch {lg['batch']} ({lg['batch'] // lg['devices']} per device) on "
+                  f"{lg['devices']} device(s); shapes searched from the planner's estimate "
+                  f"(`zerojax plan --largest`) up while a shape steps, down while it does not.",
+                  "", "| variant | largest that steps | params | peak | next larger | why not |",
+                  "|---|---|---:|---:|---|---|"]
+        for variant, r in lg["variants"].items():
+            best = r["probes"].get(r["largest"]) if r["largest"] else None
+            fail = r["probes"].get(r["first_failing"]) if r["first_failing"] else None
+            params = f"{best['num_params']:,}" if best else "-"
+            top = " (the largest searched)" if r["top_of_search"] else ""
+            lines.append(f"| {variant} | {r['largest'] or 'none'}{top} | {params} | "
+                         f"{_size(best and best.get('peak_bytes'))} | "
+                         f"{r['first_failing'] or '-'} | {fail['reason'] if fail else '-'} |")
+        lines.append("")
+    lines += [f"Not measured: {NOT_BUILT}.", ""]
+    return "\n".join(lines)
+
+
+def _size(nbytes) -> str:
+    return "-" if nbytes is None else format_bytes(nbytes)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.batch = args.batch or 8 * args.devices
+    args.largest_batch = args.largest_batch or args.devices
+    if args.batch % args.devices or args.largest_batch % args.devices:
+        raise SystemExit(f"--batch {args.batch} and --largest-batch {args.largest_batch} must "
+                         f"be multiples of --devices {args.devices}")
+    # XLA:GPU preallocates 75% of the device by default; the figures should see nearly all.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if args.probe:
+        print(json.dumps(probe(args)), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = [part for part, overlap in (("bench", "off"), ("overlap", "flags"))
+              if part in args.parts and not run_bench(args, out, overlap)]
+    if "largest" in args.parts:
+        run_largest(args, out)
+    report(out)
+    print((out / "gpu_bench.md").read_text())
+    log(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.md'}")
+    if failed:
+        log(f"failed: {', '.join(failed)} (see the .log files in {out})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
