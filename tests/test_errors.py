@@ -90,8 +90,9 @@ SEED_BATCH = {"x": np.ones((2, 2), np.float32), "y": np.ones((2,), np.float32)}
 
 
 def test_param_never_gathered_is_named():
+    """As plain JAX would, the engine trains it with a zero gradient, and says so once."""
     e = zj.Engine(ForgetsBias(), optax.sgd(0.1), zj.make_mesh(data=2), zj.ZeroConfig(stage=3))
-    with pytest.raises(zj.ModelError, match=r"never gathers.*\['layer2'\]\['b'\]"):
+    with pytest.warns(UserWarning, match=r"never gathers.*\['layer2'\]\['b'\].*zero gradient"):
         e.init(jax.random.key(0), SEED_BATCH)
 
 

@@ -70,7 +70,7 @@ def test_state_and_traffic_match_the_formulas(stage, n):
 
 # --- the state formula, to the byte, for every compute dtype (nothing compiled) -------------
 
-SCALARS = 4 + 4 + 4 + 4  # step, Adam's count, loss scale and its good-step count
+SCALARS = 4 + 4 + 4 + 4 + 8  # step, Adam's count, loss scale, its good-step count, base key
 
 
 def tiny(stage, dtype, n=8):

@@ -64,7 +64,7 @@ def test_live_state_bytes_match_zero_formulas(stage, n):
     state = engine.init(jax.random.key(0), gpt_batch(model.cfg, 8, 0))
     psi = engine.layout.num_params
     padded = engine.layout.padded_params  # psi plus this N's zero padding
-    scalars = 4 + 4 + 4 + 4  # step, Adam count, loss scale, good steps
+    scalars = 4 + 4 + 4 + 4 + 8  # step, Adam count, loss scale, good steps, base key
     expected = {0: 2 * psi + 12 * psi,  # 16Ψ less the 2Ψ of gradients
                 1: 2 * psi + 12 * padded // n,
                 2: 2 * psi + 12 * padded // n,

@@ -19,7 +19,7 @@ from zerojax.analysis.planning import PlanResult, plan
 from zerojax.config import ZeroConfig
 from zerojax.engine import Engine
 from zerojax.errors import BatchError, CheckpointError, ConfigError, MeshError, ModelError
-from zerojax.mesh import initialize_distributed, make_mesh
+from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
 from zerojax.protocol import Model, Units
 from zerojax.step import TrainState
 
@@ -41,8 +41,11 @@ __all__ = [
     "TrainState",
     "Units",
     "ZeroConfig",
+    "batch_axes",
     "comm_estimate",
     "estimate",
+    "from_linen",
+    "from_nnx",
     "initialize_distributed",
     "make_mesh",
     "measure",
@@ -54,4 +57,6 @@ def __getattr__(name: str):
     # `zerojax.checkpoint` without importing orbax for those who never checkpoint.
     if name == "checkpoint":
         return importlib.import_module("zerojax.checkpoint")
+    if name in ("from_nnx", "from_linen"):  # flax only for those who bring a Flax model
+        return getattr(importlib.import_module("zerojax.adapters"), name)
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

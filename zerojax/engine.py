@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -16,7 +18,15 @@ from zerojax.errors import ConfigError, ModelError
 from zerojax.mesh import batch_axes, check_batch, mesh_sizes, put_batch
 from zerojax.partition import Layout, LeafSpec
 from zerojax.precision import DTYPES, init_loss_scale
-from zerojax.step import StepPlan, TrainState, local_eval, local_step, split_loss
+from zerojax.step import (
+    StepPlan,
+    TrainState,
+    device_key,
+    example_keys,
+    local_eval,
+    local_step,
+    split_loss,
+)
 from zerojax.units import RecordingUnits, make_handles
 
 
@@ -45,7 +55,10 @@ class Engine:
     # ---------------------------------------------------------------- layout discovery
 
     def _discover(self, params_abstract, batch) -> None:
-        """Traces the loss once, abstractly, to learn which leaves are scanned or gathered."""
+        """Traces the loss once, abstractly, to learn which leaves are scanned or gathered.
+
+        The trace runs inside a shard_map over this engine's mesh, as the step does, so a
+        model may name the batch axes in a collective (`lax.pmean(x, batch_axes(mesh))`)."""
         check_batch(batch, self.mesh, self.config.grad_accum, jax.process_count())
         paths_avals = jax.tree.flatten_with_path(params_abstract)[0]
         treedef = jax.tree.structure(params_abstract)
@@ -53,24 +66,41 @@ class Engine:
         paths = [jax.tree_util.keystr(p) for p, _ in paths_avals]
         flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)),
                       treedef, 1, True)
-        rec = RecordingUnits(avals, DTYPES[self.config.param_dtype])
-        local = self.config.grad_accum * self.replica * self.data
+        devices = self.replica * self.data
+        local = self.config.grad_accum * devices
+        recs = []
 
-        def micro(x):
+        def micro(x):  # one micro-batch per device, as a global batch
             n = jnp.shape(x)[0] * jax.process_count() // local
-            return jax.ShapeDtypeStruct((n, *jnp.shape(x)[1:]), jnp.result_type(x))
+            return jax.ShapeDtypeStruct((n * devices, *jnp.shape(x)[1:]), jnp.result_type(x))
 
-        jax.eval_shape(lambda b: split_loss(self.model.loss(make_handles(flat), b, rec)),
-                       jax.tree.map(micro, batch))
+        def trace(b, rng, model_state):
+            m = jax.tree.leaves(b)[0].shape[0]
+            ex_key, first = example_keys(rng, 0, self.axes, m)
+            rec = RecordingUnits(avals, DTYPES[self.config.param_dtype],
+                                 key=jax.random.fold_in(device_key(rng, 0, self.axes), 0),
+                                 state=model_state, example_key=ex_key,
+                                 rows=first + jnp.arange(m))
+            recs.append(rec)
+            split_loss(self.model.loss(make_handles(flat), b, rec))
+            return ()
+
+        body = jax.shard_map(trace, mesh=self.mesh, in_specs=(P(self.axes), P(), P()),
+                             out_specs=(), check_vma=False)
+        jax.eval_shape(body, jax.tree.map(micro, batch), _abstract_key_data(),
+                       self._abstract_model_state())
+        rec = recs[-1]
         unused = [p for i, p in enumerate(paths) if i not in rec.uses]
         if unused:
-            raise ModelError(f"the model's loss never gathers parameter(s) {', '.join(unused)}; "
-                             f"pass every parameter through units.gather or units.scan")
-        both = [p for i, p in enumerate(paths) if len(rec.uses[i]) > 1]
+            # As plain JAX would: the gradient of an unused parameter is zero.
+            warnings.warn(f"the model's loss never gathers parameter(s) {', '.join(unused)}; "
+                          f"they get a zero gradient (pass them through units.gather or "
+                          f"units.scan to train them)", stacklevel=3)
+        both = [p for i, p in enumerate(paths) if len(rec.uses.get(i, ())) > 1]
         if both:
             raise ModelError(f"parameter(s) {', '.join(both)} are used by both units.gather and "
                              f"units.scan; a leaf is either one unit or a stack of layer units")
-        self.set_units(tuple(LeafSpec(p, a.shape, rec.uses[i] == {"scan"})
+        self.set_units(tuple(LeafSpec(p, a.shape, rec.uses.get(i) == {"scan"})
                              for i, (p, a) in enumerate(zip(paths, avals))), treedef)
 
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
@@ -95,16 +125,30 @@ class Engine:
         """PartitionSpecs of every state leaf."""
         layout, cfg = self.layout, self.config
         master = layout.specs()
-        opt_abstract = jax.eval_shape(self.optimizer.init, self.abstract_master())
-        is_leaf = lambda x: isinstance(x, (P, optax.MaskedNode))
-        opt = optax.tree_map_params(
-            self.optimizer, lambda s, spec: s if isinstance(s, optax.MaskedNode) else spec,
-            opt_abstract, master, transform_non_params=lambda _: P(), is_leaf=is_leaf)
+        opt = map_opt_params(self.optimizer, layout, lambda _, leaf: layout.spec(leaf),
+                             self._abstract_opt_state(), lambda _: P())
         compute = None
         if self.plan.stores_compute:
             compute = master if cfg.stage == 3 else layout.unflatten(P() for _ in layout.leaves)
-        return TrainState(P(), master, opt, compute, jax.tree.map(lambda _: P(),
-                                                                 init_loss_scale(1.0)))
+        model_state = jax.tree.map(lambda _: P(), self._abstract_model_state())
+        return TrainState(P(), master, opt, compute,
+                          jax.tree.map(lambda _: P(), init_loss_scale(1.0)), P(), model_state)
+
+    def _abstract_opt_state(self):
+        """The optimizer state of the master params, abstractly, once its mask and labels
+        functions are known to treat the flat shards as they treat the logical params."""
+        layout = self.layout
+        logical = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+                                   for leaf in layout.leaves)
+        master = self.abstract_master()
+        _check_mask_functions(self.optimizer, logical, master)
+        return jax.eval_shape(self.optimizer.init, master)
+
+    def _abstract_model_state(self):
+        """The model state as ShapeDtypeStructs (None for a model without `init_state`)."""
+        if not hasattr(self.model, "init_state"):
+            return None
+        return jax.eval_shape(lambda k: _as_arrays(self.model.init_state(k)), jax.random.key(0))
 
     def state_shardings(self) -> TrainState:
         """NamedShardings of every state leaf on this engine's mesh."""
@@ -119,11 +163,12 @@ class Engine:
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s with shardings: for AOT compilation without memory."""
         shapes = jax.eval_shape(self._to_state, self.layout.unflatten(
-            jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in self.layout.leaves))
+            jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in self.layout.leaves),
+            _abstract_key_data(), self._abstract_model_state())
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, self.state_shardings())
 
-    def _to_state(self, params) -> TrainState:
+    def _to_state(self, params, rng, model_state) -> TrainState:
         layout, cfg = self.layout, self.config
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         master = layout.to_flat(params)
@@ -133,23 +178,49 @@ class Engine:
             src = master if cfg.stage == 3 else params
             compute = jax.tree.map(lambda x: x.astype(dtype), src)
         return TrainState(jnp.zeros((), jnp.int32), master, self.optimizer.init(master), compute,
-                          init_loss_scale(cfg.initial_scale))
+                          init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state))
+
+    def _init_state(self, key):
+        return _as_arrays(self.model.init_state(key)) if hasattr(self.model, "init_state") \
+            else None
 
     def init(self, rng: jax.Array, batch) -> TrainState:
-        """Fresh state from `model.init(rng)`; `batch` (arrays or ShapeDtypeStructs) sets units."""
-        self._discover(jax.eval_shape(self.model.init, rng), batch)
-        build = jax.jit(lambda r: self._to_state(self.model.init(r)),
-                        out_shardings=self.state_shardings())
-        return build(rng)
+        """Fresh state from `model.init(rng)`; `batch` (arrays or ShapeDtypeStructs) sets units.
 
-    def init_from(self, params, batch) -> TrainState:
-        """State from given logical params (e.g. an export, or plain Flax params)."""
-        rng = jax.random.key(0)
-        expected = jax.eval_shape(self.model.init, rng)
+        `rng` itself initializes the params (as `model.init(rng)` does); the model state is
+        initialized with `fold_in(rng, 1)` and the training keys derive from `fold_in(rng, 2)`.
+        """
+        self._discover(jax.eval_shape(self.model.init, rng), batch)
+
+        def build(r):
+            state_key, train_key = _derived_keys(r)
+            return self._to_state(self.model.init(r), train_key, self._init_state(state_key))
+
+        return jax.jit(build, out_shardings=self.state_shardings())(rng)
+
+    def init_from(self, params, batch, *, rng: jax.Array | None = None,
+                  model_state: Any = None) -> TrainState:
+        """State from given logical params (e.g. an export, or plain Flax params).
+
+        `rng` (default `jax.random.key(0)`) derives the training keys as in `init`;
+        `model_state` defaults to `model.init_state(fold_in(rng, 1))`."""
+        rng = jax.random.key(0) if rng is None else rng
+        expected = jax.eval_shape(self.model.init, jax.random.key(0))
         _check_same_structure(expected, params)
+        if model_state is not None:
+            want = self._abstract_model_state()
+            if want is None:
+                raise ModelError("model_state= was given but the model has no init_state(rng)")
+            _check_same_structure(want, model_state, "model_state")
         self._discover(expected, batch)
-        build = jax.jit(self._to_state, out_shardings=self.state_shardings())
-        return build(params)
+
+        def build(params, r, model_state):
+            state_key, train_key = _derived_keys(r)
+            if model_state is None:
+                model_state = self._init_state(state_key)
+            return self._to_state(params, train_key, model_state)
+
+        return jax.jit(build, out_shardings=self.state_shardings())(params, rng, model_state)
 
     # ---------------------------------------------------------------- the step
 
@@ -193,6 +264,10 @@ class Engine:
         layout = self.layout
         return jax.jit(layout.from_flat)(state.master)
 
+    def model_state(self, state: TrainState) -> Any:
+        """The logical model state (None for a model without `init_state`)."""
+        return state.model_state
+
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
              keep: int | None = None, extra: dict | None = None) -> int:
         """Saves `state` in the logical layout (any stage, any N); see `zerojax.checkpoint.save`."""
@@ -205,7 +280,97 @@ class Engine:
         return checkpoint.restore(self, directory, step)
 
 
-def _check_same_structure(expected, params) -> None:
+def map_opt_params(optimizer, layout: Layout, f, opt_state, non_param=lambda v: v):
+    """`f(x, LeafSpec)` over the optimizer state's param-like leaves (MaskedNodes kept),
+    `non_param(x)` over the others."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    try:
+        return optax.tree_map_params(
+            optimizer, lambda x, leaf: x if masked(x) else f(x, leaf), opt_state,
+            layout.unflatten(layout.leaves), transform_non_params=non_param, is_leaf=masked)
+    except Exception:  # optax calls init on a placeholder, which a labels function may not
+        pass  # take (e.g. a dict comprehension over the params): match the leaves by path.
+    params = jax.tree.flatten_with_path(layout.unflatten(layout.leaves))[0]
+    by_path = {tuple(p): leaf for p, leaf in params}
+
+    def one(path, x):
+        if masked(x):
+            return x
+        for i in range(len(path) + 1):  # a copy of the params ends in a param's path
+            leaf = by_path.get(tuple(path[i:]))
+            if leaf is not None and jnp.shape(x) in (layout.flat_shape(leaf), leaf.shape):
+                return f(x, leaf)
+        return non_param(x)
+
+    return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=masked)
+
+
+def _mask_functions(optimizer) -> list:
+    """The masks and labels given as functions (optax.masked's `mask`, multi_transform's
+    `param_labels`), found in the closures of the optimizer's functions."""
+    out, seen, todo = [], set(), [optimizer]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, optax.GradientTransformation):
+            todo += [f.init, f.update]
+        elif isinstance(f, (tuple, list)):
+            todo += list(f)
+        elif isinstance(f, dict):
+            todo += list(f.values())
+        elif getattr(f, "__code__", None) is not None and f.__closure__:
+            for name, cell in zip(f.__code__.co_freevars, f.__closure__):
+                try:
+                    v = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if name in ("mask", "param_labels") and callable(v) and \
+                        not isinstance(v, optax.GradientTransformation):
+                    out.append(v)
+                elif callable(v) or isinstance(v, (tuple, list, dict)):
+                    todo.append(v)
+    return out
+
+
+def _check_mask_functions(optimizer, logical, master) -> None:
+    """The engine hands the optimizer flat shards; a mask or labels function must give on
+    them what it gives on the logical params (it may go by names, not by shapes)."""
+    fix = ("pass the mask or labels as a pytree built from the logical params instead, e.g. "
+           "mask=fn(jax.eval_shape(model.init, jax.random.key(0)))")
+    for fn in _mask_functions(optimizer):
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            want, got = fn(logical), fn(master)
+            same = jax.tree.structure(want) == jax.tree.structure(got) and all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+        except Exception as e:  # whatever a user's function raises
+            raise ConfigError(f"the optimizer's mask/labels function {name} failed on the "
+                              f"engine's flat sharded params ({type(e).__name__}: {e}); "
+                              f"{fix}") from None
+        if not same:
+            raise ConfigError(f"the optimizer's mask/labels function {name} gives other "
+                              f"results on the engine's flat sharded params than on the logical "
+                              f"params (does it read shapes?); {fix}")
+
+
+def _as_arrays(tree):
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def _derived_keys(rng) -> tuple[jax.Array, jax.Array]:
+    """(model-state init key, training base key as raw uint32 data) from the init key."""
+    key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+    return jax.random.fold_in(key, 1), jax.random.key_data(jax.random.fold_in(key, 2))
+
+
+def _abstract_key_data() -> jax.ShapeDtypeStruct:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+
+
+def _check_same_structure(expected, params, what: str = "params") -> None:
     exp = {jax.tree_util.keystr(p): tuple(jnp.shape(x))
            for p, x in jax.tree.flatten_with_path(expected)[0]}
     got = {jax.tree_util.keystr(p): tuple(jnp.shape(x))
@@ -213,4 +378,4 @@ def _check_same_structure(expected, params) -> None:
     diffs = [f"{k}: expected {exp.get(k, 'absent')}, got {got.get(k, 'absent')}"
              for k in sorted(set(exp) | set(got)) if exp.get(k) != got.get(k)]
     if diffs:
-        raise ModelError("params do not match the model's structure: " + "; ".join(diffs[:10]))
+        raise ModelError(f"{what} do not match the model's structure: " + "; ".join(diffs[:10]))

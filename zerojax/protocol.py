@@ -22,6 +22,30 @@ class Units(Protocol):
         """Runs `body(carry, layer_params) -> carry` over `stacked` (layer axis 0), a unit each."""
         ...
 
+    def rng(self) -> jax.Array:
+        """A fresh typed PRNG key on every call: different per step, device (its position on
+        the batch axes), micro-batch, call and (inside `scan`) layer; the same on resume."""
+        ...
+
+    def example_rngs(self) -> jax.Array:
+        """A typed key per example of the device's (micro-)batch, from the example's index in
+        the global batch (and the step, call and layer): the same numbers on any number of
+        devices and micro-batches."""
+        ...
+
+    @property
+    def state(self) -> PyTree:
+        """The model state as of this (micro-)step; None for a model without `init_state`."""
+        ...
+
+    def set_state(self, new_state: PyTree) -> None:
+        """Records the updated model state (same structure, shapes and dtypes); outside any
+        `scan` body. Not calling it keeps the state."""
+        ...
+
+    training: bool
+    """True inside `Engine.step`, False inside `Engine.evaluate`."""
+
 
 @runtime_checkable
 class Model(Protocol):
@@ -31,6 +55,12 @@ class Model(Protocol):
     place of arrays: only `units.gather(subtree)` and `units.scan(body, carry, stacked)`
     turn them into arrays. It returns the mean loss over the device-local batch, or
     `(loss, aux)` with a dict of scalar metrics.
+
+    Optional: `init_state(rng)` returns the model state, non-trained arrays such as
+    BatchNorm statistics or counters, which `loss` reads as `units.state` and updates with
+    `units.set_state`. A state left per device (statistics of the device's batch) is averaged
+    over the batch axes after each step; a model that names `zerojax.batch_axes(mesh)` in a
+    collective (`lax.pmean`) computes global-batch statistics instead.
     """
 
     def init(self, rng: jax.Array) -> PyTree: ...

@@ -13,6 +13,7 @@ With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +39,8 @@ class TrainState(NamedTuple):
     compute: Any  # param_dtype: stages 0–2 logical {replicated}; stage 3 like `master`;
     #               None where it would equal `master` (float32 in stages 0 and 3)
     loss_scale: LossScale
+    rng: Any = None  # u32 [2] {replicated}: data of the base key the model's keys derive from
+    model_state: Any = None  # the model's state (init_state) {replicated}; None if it has none
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ def split_loss(out):
     if not hasattr(loss, "shape") or loss.shape != ():
         raise ModelError(f"Model.loss must return a scalar loss (or (loss, aux)); got "
                          f"{getattr(loss, 'shape', type(loss))}")
+    if not isinstance(aux, Mapping):
+        raise ModelError(f"Model.loss returned aux of type {type(aux).__name__}; aux must be a "
+                         f"dict of scalar metrics")
+    for name, v in aux.items():
+        if jnp.shape(v) != ():
+            raise ModelError(
+                f"aux value {name!r} has shape {jnp.shape(v)}; aux holds scalar metrics "
+                f"(averaged over devices): reduce it to a scalar, or keep arrays such as "
+                f"BatchNorm statistics in the model state (init_state and units.set_state)")
     return loss, aux
 
 
@@ -85,6 +97,39 @@ def vary(x, axes):
     """Marks `x` as device-varying over `axes` (a type cast under check_vma, no data moved)."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def device_key(rng, step, axes) -> jax.Array:
+    """The typed key of `step` on this device: the base key folded with the step and the
+    device's position on the batch axes (`axes`)."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+    return jax.random.fold_in(key, lax.axis_index(axes))
+
+
+_EXAMPLES = 0x7FFFFFFF  # folded into the base key for the per-example keys: not a device position
+
+
+def example_keys(rng, step, axes, local: int) -> tuple[jax.Array, jax.Array]:
+    """(the typed key of `step` for per-example keys, the global batch index of this device's
+    first example): neither depends on how many devices share the batch."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), _EXAMPLES), step)
+    return key, lax.axis_index(axes) * local
+
+
+def average_state(model_state, axes):
+    """The model state made replicated: leaves still varying over the batch axes (statistics of
+    one device's batch) are averaged; integer leaves (counters) must agree, so take the max."""
+    def avg(x):
+        over = tuple(a for a in axes if a in jax.typeof(x).mat.varying)
+        if not over:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return lax.pmean(x, over)
+        if x.dtype == jnp.bool_:
+            return lax.pmax(x.astype(jnp.int32), over).astype(jnp.bool_)
+        return lax.pmax(x, over)
+
+    return jax.tree.map(avg, model_state)
 
 
 def compute_params(plan: StepPlan, state: TrainState) -> list:
@@ -114,26 +159,41 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         args = [vary(c.astype(plan.rdtype), plan.axes) for c in comp]
     handles = make_handles(layout)
     scale = state.loss_scale.scale
+    key = device_key(state.rng, state.step, plan.axes)
+    local = jax.tree.leaves(batch)[0].shape[0]
+    ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
 
-    def loss_fn(args, mb):
-        units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch)
+    def loss_fn(args, mb, model_state, j):
+        m = local // k
+        units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch,
+                           key=jax.random.fold_in(key, j), state=model_state, training=True,
+                           example_key=ex_key, rows=first + j * m + jnp.arange(m))
         loss, aux = split_loss(plan.model.loss(handles, mb, units))
         loss = loss.astype(jnp.float32)
-        return loss * scale, (loss, aux)
+        return loss * scale, (loss, aux, units.state)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
     if k == 1:
-        grads, (loss, aux) = grad_fn(args, jax.tree.map(lambda x: x[0], micro))
+        grads, (loss, aux, model_state) = grad_fn(
+            args, jax.tree.map(lambda x: x[0], micro), state.model_state, 0)
     else:
-        def accumulate(acc, mb):
-            g, (l, a) = grad_fn(args, mb)
-            return jax.tree.map(lambda s, x: s + x.astype(jnp.float32), acc, g), (l, a)
+        # The model state goes through the micro-batches in order; typed device-varying
+        # throughout, since a micro-step may leave it per device.
+        vary_all = lambda t: jax.tree.map(lambda x: vary(x, plan.axes), t)
+
+        def accumulate(carry, xs):
+            (acc, ms), (mb, j) = carry, xs
+            g, (l, a, ms) = grad_fn(args, mb, ms, j)
+            acc = jax.tree.map(lambda s, x: s + x.astype(jnp.float32), acc, g)
+            return (acc, vary_all(ms)), (l, a)
 
         acc0 = [jnp.zeros(a.shape, jnp.float32) for a in args]
         acc0 = [vary(a, plan.axes) for a in acc0]
-        grads, (losses, auxs) = lax.scan(accumulate, acc0, micro)
+        (grads, model_state), (losses, auxs) = lax.scan(
+            accumulate, (acc0, vary_all(state.model_state)), (micro, jnp.arange(k)))
         loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
+    model_state = average_state(model_state, plan.axes)
 
     grads = _reduce(plan, grads)
     denom = plan.replica * plan.data * k * scale
@@ -158,6 +218,7 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         finite = jnp.isfinite(norm)  # norm is global, so every device takes the same branch
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
+        model_state = keep(model_state, state.model_state)
         ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
         metrics["loss_scale"] = ls.scale
         metrics["skipped"] = (~finite).astype(jnp.int32)
@@ -165,7 +226,8 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     compute = _refresh(plan, new_master, state.compute) if plan.stores_compute else None
     means = _mean_metrics(loss, aux, plan.axes)
     metrics.update(loss=means.pop("loss"), grad_norm=norm, **means)
-    new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls)
+    new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
+                           model_state)
     return new_state, metrics
 
 
@@ -235,7 +297,13 @@ def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
     stage = plan.config.stage
     comp = compute_params(plan, state)
     # No backward: stages 0-2 read their replicated params directly; stage 3 gathers units.
-    units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False)
+    # The model state is read, not updated; keys are those of the step's first micro-batch.
+    key = jax.random.fold_in(device_key(state.rng, state.step, plan.axes), 0)
+    local = jax.tree.leaves(batch)[0].shape[0]
+    ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
+    units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False,
+                       key=key, state=state.model_state, training=False, example_key=ex_key,
+                       rows=first + jnp.arange(local))
     loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
     return _mean_metrics(loss, aux, plan.axes)
 

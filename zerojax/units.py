@@ -13,16 +13,112 @@ from zerojax.errors import ModelError
 from zerojax.mesh import DATA
 from zerojax.partition import pad_unit, unpad_unit
 
+# ---------------------------------------------------------------------------------------------
+# What every Units offers besides gather/scan: PRNG keys, the model state, the training flag.
 
-class PlainUnits:
+
+class Context:
+    """`units.rng()`, `units.example_rngs()`, `units.state`, `units.set_state`,
+    `units.training`.
+
+    `key`: the typed key of this (step, device, micro-batch), or None (no randomness). Call `c`
+    gets `fold_in(key, c)`; inside a `units.scan` body, call `c` of layer `i` gets
+    `fold_in(fold_in(call key of the scan, i), c)`, so each layer draws its own numbers.
+    `example_key` and `rows` (the global batch index of each local example): the same for
+    per-example keys, `fold_in(call key, row)`, which no device count or micro-batching changes.
+    """
+
+    def _context(self, key=None, state=None, training: bool = True, example_key=None,
+                 rows=None):
+        self._keys, self._rows = (key, example_key), rows
+        self._calls, self._in_scan = 0, False
+        self._state = state
+        self.training = training
+
+    def _draw(self) -> tuple:
+        """This call's (device, example) keys; the next call gets the next index."""
+        c, self._calls = self._calls, self._calls + 1
+        return tuple(None if k is None else jax.random.fold_in(k, c) for k in self._keys)
+
+    def rng(self) -> jax.Array:
+        """A fresh typed PRNG key: a pure function of (base key, step, device, micro-batch,
+        call index)."""
+        if self._keys[0] is None:
+            raise ModelError("units.rng() has no key here; give the units one (e.g. "
+                             "PlainUnits(rng=jax.random.key(0)))")
+        return self._draw()[0]
+
+    def example_rngs(self) -> jax.Array:
+        """A typed key per example of the device's (micro-)batch, `[B_local]`, from the
+        example's index in the global batch: dropout drawn with them is the same on any number
+        of devices and micro-batches."""
+        if self._keys[1] is None or self._rows is None:
+            raise ModelError("units.example_rngs() has no keys here; give the units them (e.g. "
+                             "PlainUnits(rng=jax.random.key(0), examples=batch_size))")
+        key = self._draw()[1]
+        return jax.vmap(lambda r: jax.random.fold_in(key, r))(self._rows)
+
+    @property
+    def state(self):
+        """The model state as of this (micro-)step; None for a model without `init_state`."""
+        return self._state
+
+    def set_state(self, new_state) -> None:
+        """Records the updated model state (same structure, shapes and dtypes)."""
+        if self._in_scan:
+            raise ModelError("units.set_state was called inside a units.scan body; return the "
+                             "layer's new state from the body (in the carry) and call "
+                             "units.set_state once, outside the scan")
+        check_same_state(self._state, new_state)
+        self._state = new_state
+
+    def _layer_fn(self, body):
+        """`body(c, p)` as `fn(c, p, i)`: inside, `units.rng()` draws layer `i`'s keys."""
+        keys = self._draw()
+
+        def fn(c, p, i):
+            saved = self._keys, self._calls, self._in_scan
+            self._keys = tuple(None if k is None else jax.random.fold_in(k, i) for k in keys)
+            self._calls, self._in_scan = 0, True
+            try:
+                return body(c, p)
+            finally:
+                self._keys, self._calls, self._in_scan = saved
+
+        return fn
+
+
+def check_same_state(old, new) -> None:
+    """ModelError unless `new` has `old`'s structure, shapes and dtypes."""
+    if old is None:
+        raise ModelError("units.set_state was called but the model has no init_state(rng); "
+                         "define init_state to give the model a state")
+    spec = lambda t: {jax.tree_util.keystr(p): (jnp.shape(x), jnp.result_type(x))
+                      for p, x in jax.tree.flatten_with_path(t)[0]}
+    want, got = spec(old), spec(new)
+    if jax.tree.structure(old) != jax.tree.structure(new) or want != got:
+        fmt = lambda d: "absent" if d is None else f"{jnp.dtype(d[1]).name}{d[0]}"
+        diffs = [f"{k}: expected {fmt(want.get(k))}, got {fmt(got.get(k))}"
+                 for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+        raise ModelError("units.set_state got a state unlike the model's: "
+                         + ("; ".join(diffs[:10]) or "another tree structure")
+                         + "; keep init_state's structure, shapes and dtypes")
+
+
+class PlainUnits(Context):
     """Units over real (unsharded) arrays: the single-device reference and plain Flax use.
 
     `gather` casts to `dtype` (when given); `scan` is `lax.scan` over the layer axis.
+    `rng`, `state`, `training`: what `units.rng()`, `units.state` and `units.training` give;
+    `examples`: the batch size, for `units.example_rngs()` (rows 0..examples-1, from `rng`).
     """
 
-    def __init__(self, dtype: Any = None, remat: bool = False):
+    def __init__(self, dtype: Any = None, remat: bool = False, *, rng=None, state=None,
+                 training: bool = True, examples: int | None = None):
         self.dtype = dtype
         self.remat = remat
+        rows = None if examples is None else jnp.arange(examples)
+        self._context(rng, state, training, rng, rows)
 
     def gather(self, subtree):
         if self.dtype is None:
@@ -30,12 +126,19 @@ class PlainUnits:
         return jax.tree.map(lambda x: jnp.asarray(x).astype(self.dtype), subtree)
 
     def scan(self, body, carry, stacked):
+        fn = self._layer_fn(body)
+
         def step(c, layer):
-            return body(c, self.gather(layer)), None
+            p, i = layer
+            return fn(c, self.gather(p), i), None
 
         if self.remat:
             step = jax.checkpoint(step)
-        return lax.scan(step, carry, stacked)[0]
+        return lax.scan(step, carry, (stacked, _layer_index(stacked)))[0]
+
+
+def _layer_index(stacked):
+    return jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,13 +188,14 @@ def _rebuild(subtree, values):
 # Discovery: one abstract trace of the loss learns which leaves are gathered and which scanned.
 
 
-class RecordingUnits:
+class RecordingUnits(Context):
     """Records, per leaf, how the loss consumes it: 'gather' or 'scan'."""
 
-    def __init__(self, avals, dtype):
+    def __init__(self, avals, dtype, key=None, state=None, example_key=None, rows=None):
         self.avals = avals  # per-leaf ShapeDtypeStruct of the logical params
         self.dtype = dtype
         self.uses: dict[int, set[str]] = {}
+        self._context(key, state, True, example_key, rows)
 
     def _value(self, h, per_layer=False):
         shape = self.avals[h.index].shape[1:] if per_layer else self.avals[h.index].shape
@@ -115,7 +219,8 @@ class RecordingUnits:
         (length,) = lengths.pop()
         xs = _rebuild(stacked, [jnp.zeros((length, *self._value(h, True).shape), self.dtype)
                                 for h in hs])
-        return lax.scan(lambda c, p: (body(c, p), None), carry, xs)[0]
+        fn = self._layer_fn(body)
+        return lax.scan(lambda c, p: (fn(c, *p), None), carry, (xs, jnp.arange(length)))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,10 +238,12 @@ def _remat(fn, remat: bool, stage: int):
     return fn
 
 
-class ShardUnits:
+class ShardUnits(Context):
     """`gather`/`scan` for one stage inside the shard_map step."""
 
-    def __init__(self, stage, layout, args, full, dtype, remat, prefetch=False):
+    def __init__(self, stage, layout, args, full, dtype, remat, prefetch=False, *, key=None,
+                 state=None, training=True, example_key=None, rows=None):
+        self._context(key, state, training, example_key, rows)
         self.stage = stage
         self.layout = layout  # partition.Layout over the data axis
         self.args = args  # per-leaf differentiated values
@@ -170,13 +277,15 @@ class ShardUnits:
             return _prefetch_scan(self, body, carry, stacked, idx)
         xs = [self.args[i] for i in idx]
         fulls = None if self.full is None else [self.full[i] for i in idx]
+        fn = self._layer_fn(body)
 
         def step(c, layer):
-            args_l, fulls_l = layer
-            return body(c, _rebuild(stacked, _barrier(self._units(idx, args_l, fulls_l)))), None
+            args_l, fulls_l, i = layer
+            ws = _rebuild(stacked, _barrier(self._units(idx, args_l, fulls_l)))
+            return fn(c, ws, i), None
 
         step = _remat(step, self.remat, self.stage)
-        return lax.scan(step, carry, (xs, fulls))[0]
+        return lax.scan(step, carry, (xs, fulls, jnp.arange(xs[0].shape[0])))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,12 +383,13 @@ def _prefetch_scan(units, body, carry, stacked, idx):
     length = xs[0].shape[0]
 
     layer_of = partial(gather_layer, leaves=leaves, n=layout.shards, dtype=dtype)
+    body_i = units._layer_fn(body)
 
-    def layer_fn(c, ws):
-        return body(c, _rebuild(stacked, ws))
+    def layer_fn(c, ws, i):
+        return body_i(c, _rebuild(stacked, ws), i)
 
     ws0 = layer_of(xs, 0)
-    fn, consts = jax.closure_convert(layer_fn, carry, ws0)
+    fn, consts = jax.closure_convert(layer_fn, carry, ws0, jnp.int32(0))
 
     @jax.custom_vjp
     def run(carry, xs, consts):
@@ -293,7 +403,7 @@ def _prefetch_scan(units, body, carry, stacked, idx):
         def step(state, i):
             c, ws = state
             ws_next = layer_of(xs, jnp.minimum(i + 1, length - 1))  # prefetch
-            return (fn(c, ws, *consts), ws_next), c
+            return (fn(c, ws, i, *consts), ws_next), c
 
         (c, _), cs = lax.scan(step, (carry, layer_of(xs, 0)), jnp.arange(length))
         return c, cs
@@ -309,7 +419,7 @@ def _prefetch_scan(units, body, carry, stacked, idx):
             ct, ws, ct_k = state
             ws_prev = layer_of(xs, jnp.maximum(i - 1, 0))  # prefetch
             c_in = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), cs)
-            _, vjp = jax.vjp(lambda c, w, k: fn(c, w, *k), c_in, ws, consts)
+            _, vjp = jax.vjp(lambda c, w, k: fn(c, w, i, *k), c_in, ws, consts)
             ct, ct_ws, ct_ki = vjp(ct)
             g = reduce_scatter_units(ct_ws, leaves, layout.shards, xs[0].dtype)
             return (ct, ws_prev, jax.tree.map(jnp.add, ct_k, ct_ki)), g

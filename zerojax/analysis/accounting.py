@@ -287,7 +287,7 @@ def state_bytes(engine, batch=None) -> dict[str, int]:
 
     out = {"params": nbytes(state.compute), "master": nbytes(state.master),
            "optimizer": nbytes(state.opt_state),
-           "other": nbytes((state.step, state.loss_scale))}
+           "other": nbytes((state.step, state.loss_scale, state.rng, state.model_state))}
     out["total"] = sum(out.values())
     return out
 

@@ -1,5 +1,6 @@
-"""Export: the consolidated fp32 params of a checkpoint step as one `.safetensors` file,
-streamed leaf by leaf and chunk by chunk, and `load_exported` to read it back as plain params.
+"""Export: the consolidated fp32 params of a checkpoint step (and the model state, under
+`model_state/`) as one `.safetensors` file, streamed leaf by leaf and chunk by chunk, and
+`load_exported` to read it back as plain params.
 """
 
 from __future__ import annotations
@@ -18,13 +19,30 @@ from zerojax.checkpoint.record import np_checksum, why
 from zerojax.checkpoint.store import _dir, _open, _open_array, _stored
 from zerojax.errors import CheckpointError
 
+STATE_PREFIX = "model_state"  # the model state's keys in an export: model_state/<its keys>
+_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
+          "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8",
+          "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
+
+
+def _leaves(meta: dict) -> list[tuple[str, tuple[str, ...], dict, str]]:
+    """(part, stored keys, record, dtype name) of every exported leaf: params (fp32), then the
+    model state (its own dtypes)."""
+    out = [("params", ("params", *d["keys"]), d, "float32") for d in meta["params"]]
+    return out + [(STATE_PREFIX, (STATE_PREFIX, *d["keys"]), d, d["dtype"])
+                  for d in meta["model_state"]]
+
 
 def _header(meta: dict, step: int) -> tuple[bytes, list[int]]:
     entries, offsets, pos = {}, [], 0
-    for d in meta["params"]:
-        n = 4 * int(np.prod(d["shape"], dtype=np.int64))
-        entries["/".join(d["keys"])] = {"dtype": "F32", "shape": d["shape"],
-                                        "data_offsets": [pos, pos + n]}
+    for part, _, d, dtype in _leaves(meta):
+        if dtype not in _CODES:
+            raise CheckpointError(f"{part}{d['path']} has dtype {dtype}, which safetensors "
+                                  f"cannot hold")
+        n = np.dtype(_np_dtype(dtype)).itemsize * int(np.prod(d["shape"], dtype=np.int64))
+        name = "/".join(d["keys"] if part == "params" else (STATE_PREFIX, *d["keys"]))
+        entries[name] = {"dtype": _CODES[dtype], "shape": d["shape"],
+                         "data_offsets": [pos, pos + n]}
         offsets.append(pos)
         pos += n
     entries["__metadata__"] = {"format": "np", "zerojax_step": str(step),
@@ -32,6 +50,13 @@ def _header(meta: dict, step: int) -> tuple[bytes, list[int]]:
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the spec allows space padding; aligns the data
     return len(header).to_bytes(8, "little") + header, offsets
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
 
 
 def _slabs(shape, chunk):
@@ -46,7 +71,8 @@ def _slabs(shape, chunk):
 
 def export(directory, out, step: int | None = None) -> Path:
     """Writes the fp32 params of `step` (default: latest) to a `.safetensors` file, leaf by
-    leaf and chunk by chunk, so host memory stays near one stored chunk.
+    leaf and chunk by chunk, so host memory stays near one stored chunk. A model state is
+    written too, under `model_state/` (`load_exported(path, with_state=True)` reads it).
 
     `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`."""
     out = Path(os.fspath(out))
@@ -65,56 +91,60 @@ def export(directory, out, step: int | None = None) -> Path:
         with open(tmp, "wb") as f:
             f.write(header)
             base = len(header)
-            for d, off in zip(meta["params"], offsets, strict=True):
-                name = arrays.get(("params", *d["keys"]))
+            for (part, keys, d, dtype), off in zip(_leaves(meta), offsets, strict=True):
+                name = arrays.get(keys)
                 if name is None:
-                    raise CheckpointError(f"cannot read params{d['path']} of {where}: it is "
+                    raise CheckpointError(f"cannot read {part}{d['path']} of {where}: it is "
                                           f"not among the stored arrays")
                 try:
                     t = _open_array(arrays_dir, name, use_zarr3, ctx).result()
                     if tuple(t.shape) != tuple(d["shape"]):
                         raise ValueError(f"stored with shape {tuple(t.shape)}, recorded as "
                                          f"{tuple(d['shape'])}")
-                    total = _write_leaf(f, t, base + off, tuple(d["shape"]))
+                    total = _write_leaf(f, t, base + off, tuple(d["shape"]), _np_dtype(dtype))
                 except Exception as e:  # tensorstore reports damaged files as ValueError etc.
-                    raise CheckpointError(f"cannot read params{d['path']} of {where}: "
+                    raise CheckpointError(f"cannot read {part}{d['path']} of {where}: "
                                           f"{why(e)}") from None
                 if d["checksum"] != total:
                     raise CheckpointError(f"{where} is corrupted: checksum mismatch in "
-                                          f"params{d['path']}")
+                                          f"{part}{d['path']}")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
 
 
-def _write_leaf(f, t, pos: int, shape: tuple[int, ...]) -> int:
+def _write_leaf(f, t, pos: int, shape: tuple[int, ...], dtype=np.float32) -> int:
     """Streams one stored array into the file at byte `pos`; returns its checksum."""
-    total = 0
+    total, size = 0, np.dtype(dtype).itemsize
     chunk = tuple(t.chunk_layout.read_chunk.shape) if shape else ()
     row = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
     for split, box in _slabs(shape, chunk):
-        x = np.ascontiguousarray(t[box].read().result(), dtype=np.float32)
+        x = np.ascontiguousarray(t[box].read().result(), dtype=dtype)
         total = (total + np_checksum(x, shape, [s.start or 0 for s in box])) % 2**32
         if not split:
-            os.pwrite(f.fileno(), memoryview(x.reshape(-1)).cast("B"), pos)
+            os.pwrite(f.fileno(), memoryview(x.reshape(-1).view(np.uint8)), pos)
             continue
         j, a = split
         for idx in np.ndindex(*shape[:j]):  # leading axes are whole: one write per index
             flat = sum(i * r for i, r in zip(idx, row, strict=False)) + a * row[j]
-            os.pwrite(f.fileno(), memoryview(x[idx].reshape(-1)).cast("B"), pos + 4 * flat)
+            os.pwrite(f.fileno(), memoryview(x[idx].reshape(-1).view(np.uint8)),
+                      pos + size * flat)
     return total
 
 
-def load_exported(path) -> Any:
-    """Params (nested dicts of numpy fp32 arrays) from an exported `.safetensors` file."""
+def load_exported(path, *, with_state: bool = False) -> Any:
+    """Params (nested dicts of numpy fp32 arrays) from an exported `.safetensors` file;
+    `with_state=True`: `(params, model_state)`, the model state None if the file has none."""
     from flax import traverse_util
     from safetensors.numpy import load_file
 
     path = Path(os.fspath(path))
     if not path.is_file():
         raise FileNotFoundError(f"exported params file {path} does not exist")
-    return traverse_util.unflatten_dict(load_file(path), sep="/")
+    tree = traverse_util.unflatten_dict(load_file(path), sep="/")
+    model_state = tree.pop(STATE_PREFIX, None)
+    return (tree, model_state) if with_state else tree
 
 
 class _UsageError(Exception):

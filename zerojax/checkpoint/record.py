@@ -13,7 +13,8 @@ from jax import lax
 
 from zerojax.errors import CheckpointError
 
-# Version 2: position-sensitive checksums, which also cover the step counter and loss scale.
+# Version 2: position-sensitive checksums, which also cover the step counter, loss scale, base
+# key and model state.
 FORMAT, FORMAT_VERSION = "zerojax-checkpoint", 2
 
 
@@ -56,21 +57,28 @@ def np_checksum(x: np.ndarray, shape=None, start=None) -> int:
     return int(weighted_sum(bits.reshape(-1), flat.reshape(-1), np))
 
 
+PARTS = ("params", "opt_state", "model_state", "")  # "": the step counter, loss scale and key
+
+
 def parts(tree) -> list:
-    """The logical tree in record order: params, optimizer state, step counter and loss scale."""
-    return [tree["params"], tree["opt_state"],
-            {"loss_scale": tree["loss_scale"], "step": tree["step"]}]
+    """The logical tree in record order: params, optimizer state, model state (None for a
+    model without one), and the step counter, loss scale and base key."""
+    return [tree["params"], tree["opt_state"], tree.get("model_state"),
+            {"loss_scale": tree["loss_scale"], "rng": tree["rng"], "step": tree["step"]}]
 
 
 def unparts(parts) -> dict:
-    params, opt_state, scalars = parts
-    return {"params": params, "opt_state": opt_state, **scalars}
+    params, opt_state, model_state, scalars = parts
+    tree = {"params": params, "opt_state": opt_state, **scalars}
+    if model_state is not None:
+        tree["model_state"] = model_state
+    return tree
 
 
 def named_leaves(tree) -> list[tuple[tuple[str, ...], str, object]]:
     """(stored key path, name in messages, leaf) of every leaf, in record order."""
     out = []
-    for part, sub in zip(("params", "opt_state", ""), parts(tree), strict=True):
+    for part, sub in zip(PARTS, parts(tree), strict=True):
         for path, x in jax.tree.flatten_with_path(sub)[0]:
             keys = ([part] if part else []) + keys_of(path)
             out.append((tuple(keys), part + jax.tree_util.keystr(path), x))
@@ -103,8 +111,8 @@ def why(e: Exception) -> str:
 
 _LEAF = {"path": str, "keys": list, "shape": list, "dtype": str, "checksum": int}
 _RECORD = {"zerojax_version": str, "step": int, "stage": int, "mesh": dict, "param_dtype": str,
-           "dynamic_loss_scale": bool, "params": list, "opt_state": dict, "scalars": list,
-           "extra": dict}
+           "dynamic_loss_scale": bool, "params": list, "opt_state": dict, "model_state": list,
+           "scalars": list, "extra": dict}
 
 
 def check_fields(record, fields: dict, what: str, where: str) -> None:
@@ -137,6 +145,7 @@ def check_record(meta, where: str) -> None:
     leaves = [("params", d, {**_LEAF, "stacked": bool}) for d in meta["params"]]
     check_fields(meta["opt_state"], {"treedef": str, "leaves": list}, "opt_state", where)
     leaves += [("opt_state", d, _LEAF) for d in meta["opt_state"]["leaves"]]
+    leaves += [("model_state", d, _LEAF) for d in meta["model_state"]]
     leaves += [("scalars", d, _LEAF) for d in meta["scalars"]]
     counts = collections.Counter()
     for kind, d, fields in leaves:

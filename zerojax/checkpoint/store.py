@@ -2,7 +2,8 @@
 (record and checksums: record.py; export to safetensors: export.py).
 
 A step directory holds two orbax items: "state" (master params and optimizer state in their
-logical shapes, no padding, plus the step counter and loss scale) and "meta" (JSON: zerojax
+logical shapes, no padding, the model state, the step counter, loss scale and base key) and
+"meta" (JSON: zerojax
 version, model structure with each leaf's units flag, stage, mesh, dtypes, optimizer state
 structure, per-leaf checksums, and the user's `extra`). Orbax writes each step into a
 temporary directory and renames it when complete, so a killed save leaves no step behind.
@@ -22,7 +23,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,6 +38,7 @@ from zerojax.checkpoint.record import (
     unparts,
     why,
 )
+from zerojax.engine import map_opt_params
 from zerojax.errors import CheckpointError
 from zerojax.mesh import DATA
 from zerojax.partition import Layout, LeafSpec, pad_flat, unpad
@@ -69,7 +70,10 @@ def _saver(engine):
                 "opt_state": _map_opt(engine.optimizer, layout, unpad, state.opt_state),
                 "step": state.step,
                 "loss_scale": {"scale": state.loss_scale.scale,
-                               "good_steps": state.loss_scale.good_steps}}
+                               "good_steps": state.loss_scale.good_steps},
+                "rng": state.rng}
+        if state.model_state is not None:
+            tree["model_state"] = state.model_state
         return tree, leaf_checksums(tree)
 
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
@@ -79,15 +83,9 @@ def _saver(engine):
 
 
 
-def _is_masked(x) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
 def _map_opt(optimizer, layout: Layout, f, opt_state, non_param=lambda v: v):
     """`f(leaf_value, LeafSpec)` over the optimizer state's param-like leaves."""
-    return optax.tree_map_params(
-        optimizer, lambda x, leaf: x if _is_masked(x) else f(x, leaf), opt_state,
-        layout.unflatten(layout.leaves), transform_non_params=non_param, is_leaf=_is_masked)
+    return map_opt_params(optimizer, layout, f, opt_state, non_param)
 
 
 def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
@@ -111,8 +109,14 @@ def _abstract(engine, layout: Layout):
                    lambda v: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                        x.shape, x.dtype, sharding=replicated), v))
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-    return {"params": params, "opt_state": opt, "step": scalar(jnp.int32),
-            "loss_scale": {"scale": scalar(jnp.float32), "good_steps": scalar(jnp.int32)}}
+    on_mesh = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+    tree = {"params": params, "opt_state": opt, "step": scalar(jnp.int32),
+            "loss_scale": {"scale": scalar(jnp.float32), "good_steps": scalar(jnp.int32)},
+            "rng": on_mesh(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))))}
+    model_state = engine._abstract_model_state()
+    if model_state is not None:
+        tree["model_state"] = jax.tree.map(on_mesh, model_state)
+    return tree
 
 
 # ---------------------------------------------------------------- save / restore
@@ -167,7 +171,8 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     tree, sums = to_logical(state)
     sums = [int(x) for x in jax.device_get(sums)]
     n_params = len(layout.leaves)
-    n_state = n_params + len(jax.tree.leaves(tree["opt_state"]))
+    n_opt = n_params + len(jax.tree.leaves(tree["opt_state"]))
+    n_state = n_opt + len(jax.tree.leaves(tree.get("model_state")))
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION,
             "zerojax_version": zerojax.__version__, "step": step, "stage": cfg.stage,
             "mesh": {"replica": engine.replica, "data": engine.data},
@@ -176,8 +181,9 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
                        for d, leaf, dtype in zip(describe(tree["params"], sums[:n_params]),
                                                  layout.leaves, dtypes, strict=True)],
             "opt_state": {"treedef": str(jax.tree.structure(tree["opt_state"])),
-                          "leaves": describe(tree["opt_state"], sums[n_params:n_state])},
-            "scalars": describe(parts(tree)[2], sums[n_state:]),
+                          "leaves": describe(tree["opt_state"], sums[n_params:n_opt])},
+            "model_state": describe(tree.get("model_state"), sums[n_opt:n_state]),
+            "scalars": describe(parts(tree)[-1], sums[n_state:]),
             "extra": extra}
     cached = _MANAGERS.get(str(path))
     if cached is None or cached[1] != keep:
@@ -374,6 +380,10 @@ def _match(engine, meta: dict, where: str):
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
                               f"dtype?): {_listing(diffs)}")
+    diffs = _diff("model_state", describe(target.get("model_state")), meta["model_state"])
+    if diffs:
+        raise CheckpointError(f"{where} has another model state (init_state's leaves, shapes "
+                              f"or dtypes differ): {_listing(diffs)}")
     return leaves, layout.treedef, target
 
 
@@ -391,6 +401,7 @@ def _load(engine, mngr, path: Path, step: int):
     entries = named_leaves(target)
     records = [("params", r) for r in meta["params"]]
     records += [("opt_state", r) for r in meta["opt_state"]["leaves"]]
+    records += [("model_state", r) for r in meta["model_state"]]
     records += [("", r) for r in meta["scalars"]]
     want, got = [name for _, name, _ in entries], [kind + r["path"] for kind, r in records]
     if want != got:
@@ -444,7 +455,7 @@ def restore(engine, directory, step: int | None = None):
     saved_scale = meta["dynamic_loss_scale"] and engine.config.dynamic_scale
 
     def build(tree):
-        st = engine._to_state(tree["params"])
+        st = engine._to_state(tree["params"], tree["rng"], tree.get("model_state"))
         opt = _map_opt(engine.optimizer, engine.layout,
                        lambda x, leaf: pad_flat(x, leaf, engine.layout.shards), tree["opt_state"])
         ls = LossScale(**tree["loss_scale"]) if saved_scale else st.loss_scale
