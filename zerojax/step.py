@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from zerojax.collectives import gather_layer, gather_units
 from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, LossScale, update_loss_scale
-from zerojax.units import ShardUnits, gather_layer, gather_units, make_handles
+from zerojax.units import ShardUnits, make_handles
 
 
 class TrainState(NamedTuple):

@@ -9,9 +9,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zerojax.collectives import (
+    barrier,
+    gather_layer,
+    gather_sharded,
+    reduce_scatter_units,
+    split_units,
+    view,
+)
 from zerojax.errors import ModelError
-from zerojax.mesh import DATA
-from zerojax.partition import pad_unit, unpad_unit
 
 # ---------------------------------------------------------------------------------------------
 # What every Units offers besides gather/scan: PRNG keys, the model state, the training flag.
@@ -260,8 +266,8 @@ class ShardUnits(Context):
         if self.stage <= 1:
             return [a.astype(self.dtype) for a in args]
         if self.stage == 2:
-            return list(_view(tuple(fulls), tuple(args), leaves, self.layout.shards))
-        return split_units(_gather(jnp.concatenate(args), self.dtype), leaves,
+            return list(view(tuple(fulls), tuple(args), leaves, self.layout.shards))
+        return split_units(gather_sharded(jnp.concatenate(args), self.dtype), leaves,
                            self.layout.shards)
 
     def gather(self, subtree):
@@ -281,93 +287,11 @@ class ShardUnits(Context):
 
         def step(c, layer):
             args_l, fulls_l, i = layer
-            ws = _rebuild(stacked, _barrier(self._units(idx, args_l, fulls_l)))
+            ws = _rebuild(stacked, barrier(self._units(idx, args_l, fulls_l)))
             return fn(c, ws, i), None
 
         step = _remat(step, self.remat, self.stage)
         return lax.scan(step, carry, (xs, fulls, jnp.arange(xs[0].shape[0])))[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Buckets: a unit's leaves travel as one collective. Each device's shards of the unit are
-# concatenated ([k_1 + … + k_m] = [K]); all_gather gives [N·K], read as [N, K] and split along
-# K into each leaf's [N, k_i] = its padded [N·k_i]. One collective per unit instead of one per
-# leaf: fewer, larger messages (291 -> 35 per step on an 8-layer GPT).
-
-
-def split_units(gathered, leaves, shards):
-    """A gathered bucket `[N·K]` -> each leaf's logical unit value."""
-    if len(leaves) == 1:
-        return [unpad_unit(gathered, leaves[0])]
-    ks = [-(-leaf.size // shards) for leaf in leaves]
-    pieces = lax.split(gathered.reshape(shards, sum(ks)), ks, axis=1)
-    return [unpad_unit(p.reshape(-1), leaf) for p, leaf in zip(pieces, leaves)]
-
-
-def gather_units(shards, leaves, n, dtype, replicated=False):
-    """Several leaves' `[k_i]` shards -> their logical unit values, with one all_gather in
-    `dtype` (`replicated`: typed invariant over "data", as replicated state must be)."""
-    flat = _barrier(jnp.concatenate([s.astype(dtype) for s in shards]))
-    kw = {"to": "invarying"} if replicated else {}
-    return split_units(lax.all_gather(flat, DATA, axis=0, tiled=True, **kw), leaves, n)
-
-
-def gather_layer(stacks, i, leaves, n, dtype, replicated=False):
-    """Layer `i` of several stacked `[L, k_i]` shards, gathered as one unit (`gather_units`)."""
-    return gather_units([lax.dynamic_index_in_dim(x, i, 0, False) for x in stacks], leaves, n,
-                        dtype, replicated)
-
-
-def reduce_scatter_units(cts, leaves, n, dtype):
-    """Several leaves' unit cotangents -> this device's `[k_i]` shard of each one's sum over
-    "data", with one reduce-scatter."""
-    padded = [pad_unit(ct, leaf, n).astype(dtype).reshape(n, -1) for ct, leaf in zip(cts, leaves)]
-    flat = jnp.concatenate(padded, axis=1).reshape(-1)
-    g = lax.psum_scatter(flat, DATA, scatter_dimension=0, tiled=True)  # [N·K] {U} -> [K]
-    return lax.split(g, [p.shape[1] for p in padded]) if len(padded) > 1 else [g]
-
-
-def _barrier(x):
-    # Keeps XLA from hoisting per-layer casts/gathers out of the loop (DESIGN §5, jax#23543).
-    return lax.optimization_barrier(x)
-
-
-# Stage 2's view: forward is the replicated weights; backward reduce-scatters the cotangents
-# onto the shard-shaped stand-ins, so the full gradient of a unit is never kept.
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _view(fulls, standins, leaves, shards):
-    del standins
-    return fulls
-
-
-def _view_fwd(fulls, standins, leaves, shards):
-    return fulls, jnp.zeros((), standins[0].dtype)  # the stand-ins share the reduction dtype
-
-
-def _view_bwd(leaves, shards, token, cts):
-    return None, tuple(reduce_scatter_units(cts, leaves, shards, token.dtype))
-
-
-_view.defvjp(_view_fwd, _view_bwd)
-
-
-# Stage 3's gather: all_gather in compute dtype; its backward reduce-scatters in the dtype of
-# the differentiated shard (the reduction dtype), not in the compute dtype.
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(shard, dtype):
-    return lax.all_gather(shard.astype(dtype), DATA, axis=0, tiled=True)
-
-
-def _gather_fwd(shard, dtype):
-    return _gather(shard, dtype), jnp.zeros((), shard.dtype)
-
-
-def _gather_bwd(dtype, token, ct):
-    g = ct.astype(token.dtype)
-    return (lax.psum_scatter(g, DATA, scatter_dimension=0, tiled=True),)  # [N·k] -> [k]
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 # ---------------------------------------------------------------------------------------------

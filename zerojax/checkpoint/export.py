@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 
+from zerojax.checkpoint.arrays import open_array, stored_arrays
 from zerojax.checkpoint.record import np_checksum, why
-from zerojax.checkpoint.store import _dir, _open, _open_array, _stored
+from zerojax.checkpoint.store import _dir, _open
 from zerojax.errors import CheckpointError
 
 STATE_PREFIX = "model_state"  # the model state's keys in an export: model_state/<its keys>
@@ -81,7 +82,7 @@ def export(directory, out, step: int | None = None) -> Path:
     _, step, meta = _open(directory, step)
     path = _dir(directory)
     where = f"step {step} of {path}"
-    arrays_dir, arrays, use_zarr3 = _stored(path, step, where)
+    arrays_dir, arrays, use_zarr3 = stored_arrays(path, step, where)
     header, offsets = _header(meta, step)
     # Few threads: each keeps its own malloc arena of decoded chunks (measured: half the peak).
     ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True, file_io_concurrency_limit=4,
@@ -97,7 +98,7 @@ def export(directory, out, step: int | None = None) -> Path:
                     raise CheckpointError(f"cannot read {part}{d['path']} of {where}: it is "
                                           f"not among the stored arrays")
                 try:
-                    t = _open_array(arrays_dir, name, use_zarr3, ctx).result()
+                    t = open_array(arrays_dir, name, use_zarr3, ctx).result()
                     if tuple(t.shape) != tuple(d["shape"]):
                         raise ValueError(f"stored with shape {tuple(t.shape)}, recorded as "
                                          f"{tuple(d['shape'])}")

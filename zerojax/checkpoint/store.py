@@ -1,5 +1,5 @@
 """Checkpoints in the logical layout: orbax save/restore onto any mesh and stage
-(record and checksums: record.py; export to safetensors: export.py).
+(record and checksums: record.py; reading arrays: arrays.py; safetensors: export.py).
 
 A step directory holds two orbax items: "state" (master params and optimizer state in their
 logical shapes, no padding, the model state, the step counter, loss scale and base key) and
@@ -14,7 +14,6 @@ left behind by a failed read), so a damaged file is reported with its leaf.
 from __future__ import annotations
 
 import atexit
-import collections
 import json
 import os
 import weakref
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.checkpoint.arrays import STATE, read_arrays, stored_arrays
 from zerojax.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
@@ -44,7 +43,7 @@ from zerojax.mesh import DATA
 from zerojax.partition import Layout, LeafSpec, pad_flat, unpad
 from zerojax.precision import LossScale
 
-STATE, META = "state", "meta"
+META = "meta"
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
 KEEP: int | None = None  # default number of most recent steps a save keeps; None keeps all
 
@@ -268,96 +267,6 @@ def _listing(diffs: list[str], limit: int = 10) -> str:
     return "; ".join(diffs[:limit]) + more
 
 
-# ---------------------------------------------------------------- reading the arrays
-
-_READ_AHEAD = 2**30  # bytes of reads in flight during a restore: bounds its host memory
-
-
-def _stored(path: Path, step: int, where: str) -> tuple[Path, dict, bool]:
-    """(arrays directory, {key path: orbax array name}, use_zarr3) from the step's array index.
-
-    Read as JSON: orbax's reader of it also opens every array, through an event loop that a
-    damaged file leaves callbacks behind in (they fire later, into the closed loop)."""
-    directory = path / str(step) / STATE
-    index = directory / "_METADATA"
-    if not index.is_file():
-        raise CheckpointError(f"cannot read the arrays of {where}: their index "
-                              f"{STATE}/_METADATA is missing")
-    try:
-        raw = json.loads(index.read_text())
-        keys = [tuple(str(k["key"]) for k in v["key_metadata"])
-                for v in raw["tree_metadata"].values()]
-        use_zarr3 = bool(raw.get("use_zarr3", False))
-    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"cannot read the array index {index} of {where}: "
-                              f"{why(e)}") from None
-    return directory, {k: ".".join(k) for k in keys}, use_zarr3  # orbax's names
-
-
-def _open_array(directory: Path, name: str, use_zarr3: bool, ctx):
-    """A future of the tensorstore of one stored array."""
-    import tensorstore as ts
-    from etils import epath
-
-    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(directory)
-    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(directory),
-                                       use_zarr3=use_zarr3, is_ocdbt_checkpoint=ocdbt,
-                                       ts_context=ctx)
-    return ts.open(ts.Spec(ocp.type_handlers.get_json_tspec_read(info, ocdbt)), open=True,
-                   context=ctx)
-
-
-def _read_arrays(stored: tuple[Path, dict, bool], named, where: str) -> list[jax.Array]:
-    """Each (keys, name, ShapeDtypeStruct) of `named` read into its sharding, this process's
-    shards only. Tensorstore futures rather than orbax's event loop: a failed read leaves no
-    callback behind to fire into a closed loop, and the error names its leaf."""
-    directory, arrays, use_zarr3 = stored
-    ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True)
-    failed = lambda name, why: CheckpointError(f"cannot read {name} of {where}: {why}")
-    opened = []
-    for keys, name, _ in named:
-        if keys not in arrays:
-            raise failed(name, f"it is not among the arrays of {STATE}/_METADATA")
-        try:
-            opened.append(_open_array(directory, arrays[keys], use_zarr3, ctx))
-        except Exception as e:
-            raise failed(name, why(e)) from None
-    out, pending, in_flight = [], collections.deque(), 0
-
-    def finish():
-        nonlocal in_flight
-        name, x, reads, nbytes = pending.popleft()
-        try:
-            shards = [jax.device_put(r.result(), d) for r, devices in reads for d in devices]
-        except Exception as e:  # tensorstore reports damaged files as ValueError etc.
-            raise failed(name, why(e)) from None
-        out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards))
-        in_flight -= nbytes
-
-    for (_, name, x), future in zip(named, opened, strict=True):
-        try:
-            t = future.result()
-        except Exception as e:
-            raise failed(name, why(e)) from None
-        got = (np.dtype(t.dtype.numpy_dtype), tuple(t.shape))
-        if got != (np.dtype(x.dtype), tuple(x.shape)):
-            raise failed(name, f"stored as {got[0].name}{got[1]}, recorded as "
-                               f"{np.dtype(x.dtype).name}{tuple(x.shape)}")
-        boxes = collections.defaultdict(list)  # a replicated shard is read once
-        for d, index in x.sharding.addressable_devices_indices_map(x.shape).items():
-            boxes[tuple(s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True))].append(d)
-        reads = [(t[tuple(slice(a, b) for a, b in box)].read(), devices)
-                 for box, devices in boxes.items()]
-        nbytes = sum(int(np.prod([b - a for a, b in box])) for box in boxes) * got[0].itemsize
-        pending.append((name, x, reads, nbytes))
-        in_flight += nbytes
-        while in_flight > _READ_AHEAD and len(pending) > 1:
-            finish()
-    while pending:
-        finish()
-    return out
-
-
 # ---------------------------------------------------------------- restore
 
 
@@ -408,7 +317,7 @@ def _load(engine, mngr, path: Path, step: int):
         raise _Damaged(f"{where}: the record lists the leaves {_listing(got)}, expected "
                        f"{_listing(want)}")
     try:
-        arrays = _read_arrays(_stored(path, step, where), entries, where)
+        arrays = read_arrays(stored_arrays(path, step, where), entries, where)
     except CheckpointError as e:
         raise _Damaged(str(e)) from None
     tree = unparts(jax.tree.unflatten(jax.tree.structure(parts(target)), arrays))
