@@ -1,0 +1,489 @@
+"""`from_nnx` / `from_linen`: unmodified Flax models against plain single-device optax."""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import RTOL, assert_tree_close
+
+import zerojax as zj
+from zerojax.analysis.accounting import lower
+from zerojax.analysis.hlo import collective_bytes
+
+V, T, D = 32, 8, 16
+STEPS, N = 3, 4
+
+
+def lm_batch(step, batch=8):
+    tokens = np.random.default_rng(step).integers(0, V, (batch, T + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+BATCHES = [lm_batch(s) for s in range(STEPS)]
+
+
+def xent(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def tx():
+    return optax.adamw(3e-3, eps=1e-6)
+
+
+# --------------------------------------------------------------------------- the NNX model
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs, rate=0.0):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, d, use_bias=False, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.out = nnx.Linear(4 * d, d, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x), mask=nnx.make_causal_mask(x[..., 0]))
+        return x + self.drop(self.out(jax.nn.gelu(self.fc(self.ln2(x)))))
+
+
+class MLPBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.fc = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.out = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.out(jax.nn.gelu(self.fc(self.ln(x))))
+
+
+class NNXLM(nnx.Module):
+    """Blocks in an nnx.List, called in a Python loop; the head is the embedding (tied)."""
+
+    def __init__(self, rngs, layers=3, d=D, rate=0.0, block=None):
+        self.embed = nnx.Embed(V, d, rngs=rngs)
+        block = block or (lambda: Block(d, rngs, rate))
+        self.blocks = nnx.List([block() for _ in range(layers)])
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(self.ln(x))
+
+
+class ScannedNNXLM(nnx.Module):
+    """Blocks stacked by nnx.vmap and run by nnx.scan."""
+
+    def __init__(self, rngs, layers=3, d=D):
+        self.embed = nnx.Embed(V, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs):
+            return Block(d, rngs)
+
+        self.blocks = stack(rngs)
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return self.embed.attend(self.ln(body(self.embed(tokens), self.blocks)))
+
+
+def nnx_loss(model, batch):
+    return xent(model(batch["inputs"]), batch["targets"])
+
+
+def nnx_reference(model):
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    fresh = lambda tree: jax.tree.map(lambda x: x, tree)  # noqa: E731 -- Variables of this trace
+    losses, params = reference_run(lambda p, b: nnx_loss(nnx.merge(graph, p, fresh(rest)), b),
+                                   params)
+    return losses, nnx.to_pure_dict(params)
+
+
+def reference_run(loss_fn, params):
+    """Plain single-device optax on the global batches: (losses, final params)."""
+    opt = tx()
+
+    @jax.jit
+    def step(params, state, b):
+        loss, g = jax.value_and_grad(loss_fn)(params, b)
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses = opt.init(params), []
+    for b in BATCHES:
+        params, state, loss = step(params, state, b)
+        losses.append(float(loss))
+    return np.array(losses), params
+
+
+# --------------------------------------------------------------------------- the linen model
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        mask = nn.make_causal_mask(x[..., 0])
+        x = x + nn.MultiHeadDotProductAttention(2, use_bias=False)(nn.LayerNorm()(x), mask=mask)
+        h = nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x)))
+        return x + nn.Dense(x.shape[-1])(h), None
+
+
+class LinenLM(nn.Module):
+    """Blocks stacked by nn.scan; the head is the embedding (tied)."""
+
+    layers: int = 3
+    d: int = D
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(V, self.d)
+        blocks = nn.scan(ScanBlock, variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=self.layers)
+        x, _ = blocks(name="blocks")(embed(tokens), None)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def linen_loss(apply, batch):
+    return xent(apply(batch["inputs"]), batch["targets"])
+
+
+def linen_reference(module):
+    params = module.init(jax.random.key(0), BATCHES[0]["inputs"][:1])["params"]
+    return reference_run(lambda p, b: linen_loss(lambda *a: module.apply({"params": p}, *a), b),
+                         params)
+
+
+@functools.cache
+def nnx_setup():
+    model = NNXLM(nnx.Rngs(0))
+    return model, nnx_reference(model)
+
+
+@functools.cache
+def linen_setup():
+    module = LinenLM()
+    return module, linen_reference(module)
+
+
+def run(zm, stage):
+    engine = zj.Engine(zm, tx(), zj.make_mesh(data=N), zj.ZeroConfig(stage=stage))
+    state = engine.init(jax.random.key(0), BATCHES[0])
+    losses = []
+    for b in BATCHES:
+        state, m = engine.step(state, b)
+        losses.append(float(m["loss"]))
+    return np.array(losses), engine.params(state)
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nnx_parity(stage):
+    model, (ref_losses, ref_params) = nnx_setup()
+    zm = zj.from_nnx(model, nnx_loss, units=(Block,))
+    assert zm.unit_paths == [("blocks", 0), ("blocks", 1), ("blocks", 2)]
+    losses, params = run(zm, stage)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
+    assert losses[-1] < losses[0]
+    # The trained params go back into the user's module.
+    trained = zm.merge(params)
+    assert isinstance(trained, NNXLM)
+    np.testing.assert_allclose(trained.blocks[1].fc.kernel[...],
+                               params["blocks"][1]["fc"]["kernel"])
+
+
+def test_nnx_unit_called_twice():
+    """A block instance used twice (tied weights across depth) is one unit: gathered for
+    each call, its gradient the sum of both uses."""
+    model = NNXLM(nnx.Rngs(0), layers=2)
+    model.blocks = nnx.List([model.blocks[0], model.blocks[1], model.blocks[0]])
+    ref_losses, ref_params = nnx_reference(model)
+    zm = zj.from_nnx(model, nnx_loss, units=(Block,))
+    assert zm.unit_paths == [("blocks", 0), ("blocks", 1)]
+    losses, params = run(zm, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
+
+
+def test_nnx_scan_parity():
+    model = ScannedNNXLM(nnx.Rngs(0))
+    ref_losses, ref_params = nnx_reference(model)
+    zm = zj.from_nnx(model, nnx_loss, units=(Block,))
+    assert zm.unit_paths == [("blocks",)]
+    losses, params = run(zm, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_linen_scan_parity(stage):
+    module, (ref_losses, ref_params) = linen_setup()
+    zm = zj.from_linen(module, linen_loss, BATCHES[0]["inputs"][:1], units=(ScanBlock,))
+    assert (zm.instances, list(zm.stacks)) == ([], [("blocks",)])
+    losses, params = run(zm, stage)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    # One kernel element whose gradient crosses zero moves by Adam's lr-sized noise (1.8e-5):
+    # elementwise atol 1e-4; the relative L2 errors keep RTOL.
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=1e-4)
+    logits = module.apply(zm.merge(params), BATCHES[0]["inputs"])
+    assert logits.shape == (8, T, V)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def all_gathers(hlo_text):
+    return len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo_text))
+
+
+def stage3(zm, batch):
+    """(peak bytes per device, param count, compiled HLO) of a stage-3 step, donated state."""
+    engine = zj.Engine(zm, optax.adamw(1e-3), zj.make_mesh(data=N), zj.ZeroConfig(stage=3))
+    compiled = lower(engine, batch).compile()
+    mem = compiled.memory_analysis()
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
+    return peak, engine.layout.num_params, compiled.as_text()
+
+
+L8 = 8
+
+
+def test_nnx_units_free_gathered_blocks():
+    """Per-block units: each block gathered before its call and again in backward, never kept
+    from forward to backward; the peak drops by most of the params' bytes."""
+    rngs = nnx.Rngs(0)
+    model = NNXLM(rngs, layers=L8, d=32, block=lambda: MLPBlock(32, rngs))
+    batch = lm_batch(0)
+    whole, num_params, _ = stage3(zj.from_nnx(model, nnx_loss), batch)
+    per_block, _, hlo = stage3(zj.from_nnx(model, nnx_loss, units=(MLPBlock,)), batch)
+    assert per_block <= whole - 0.5 * 4 * num_params  # fp32 compute params
+    assert all_gathers(hlo) == 1 + 2 * L8  # root; each block forward and in backward
+
+
+def test_nnx_scan_units_free_gathered_layers():
+    model = ScannedNNXLM(nnx.Rngs(0), layers=L8, d=32)
+    batch = lm_batch(0)
+    whole, num_params, hlo_whole = stage3(zj.from_nnx(model, nnx_loss), batch)
+    per_layer, _, hlo = stage3(zj.from_nnx(model, nnx_loss, units=(Block,)), batch)
+    assert per_layer <= whole - 0.5 * 4 * num_params
+    sent = lambda text: collective_bytes(text, N)["all_gather"]  # noqa: E731
+    assert sent(hlo) > 1.8 * sent(hlo_whole)  # each layer gathered forward and in backward
+
+
+def test_linen_scan_units_free_gathered_layers():
+    module = LinenLM(layers=L8, d=32)
+    batch = lm_batch(0)
+    sample = jax.ShapeDtypeStruct((1, T), jnp.int32)  # as for module.init: arrays or shapes
+    whole, num_params, hlo_whole = stage3(zj.from_linen(module, linen_loss, sample), batch)
+    per_layer, _, hlo = stage3(zj.from_linen(module, linen_loss, sample, units=(ScanBlock,)),
+                               batch)
+    assert per_layer <= whole - 0.5 * 4 * num_params
+    # The layers are gathered inside the loops, once forward and once backward.
+    sent = lambda text: collective_bytes(text, N)["all_gather"]  # noqa: E731
+    assert sent(hlo) > 1.8 * sent(hlo_whole)
+
+
+# --------------------------------------------------------------------------- rng and state
+
+
+def test_nnx_dropout_draws_new_masks_every_step():
+    model = NNXLM(nnx.Rngs(0), layers=2, rate=0.5)
+    zm = zj.from_nnx(model, nnx_loss, units=(Block,))
+    engine = zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=2), zj.ZeroConfig(stage=3))
+    batch = BATCHES[0]
+    state = engine.init(jax.random.key(0), batch)
+    losses = []
+    for _ in range(3):
+        state, m = engine.step(state, batch)
+        losses.append(float(m["loss"]))
+    assert len(set(losses)) == 3, losses  # lr 0: only the dropout masks change
+    # Evaluation is deterministic: the plain module in eval mode gives the same loss.
+    evals = [float(engine.evaluate(state, batch)["loss"]) for _ in range(2)]
+    model.eval()
+    assert evals[0] == evals[1]
+    np.testing.assert_allclose(evals[0], float(nnx_loss(model, batch)), rtol=1e-5)
+
+
+def load_example(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_linen_batchnorm_matches_global_batch(stage):
+    """BatchNorm over the batch axes inside per-block units: params and running statistics
+    as one device's BatchNorm over the global batch."""
+    ex = load_example("linen_cnn_batchnorm")
+    mesh = zj.make_mesh(data=N)
+    batches = [ex.make_batch(s, 16) for s in range(STEPS)]
+    sample = jnp.zeros((1, ex.SIZE, ex.SIZE, 1))
+    zm = zj.from_linen(ex.CNN(axis_name=zj.batch_axes(mesh)), ex.loss_fn, sample,
+                       units=(ex.ConvBlock,))
+    engine = zj.Engine(zm, optax.adam(1e-2), mesh, zj.ZeroConfig(stage=stage))
+    state = engine.init(jax.random.key(0), batches[0])
+    for b in batches:
+        state, _ = engine.step(state, b)
+
+    ref = ex.CNN()
+    variables = ref.init(jax.random.key(0), sample)
+    params, stats = variables["params"], variables["batch_stats"]
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, stats, opt_state, b):
+        def loss(p):
+            logits, new = ref.apply({"params": p, "batch_stats": stats}, b["images"],
+                                    train=True, mutable=["batch_stats"])
+            return xent(logits, b["labels"]), new["batch_stats"]
+
+        g, stats = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    opt_state = opt.init(params)
+    for b in batches:
+        params, stats, opt_state = step(params, stats, opt_state, b)
+    assert_tree_close(engine.params(state), params, rtol=RTOL, atol=1e-5)
+    assert_tree_close(engine.model_state(state), {"batch_stats": stats}, rtol=RTOL, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the examples
+
+
+@pytest.mark.parametrize("name", ["nnx_transformer", "linen_scan_transformer"])
+def test_transformer_examples_train_and_go_back_to_flax(name):
+    out = load_example(name).main(["--steps", "6", "--layers", "1"])
+    assert out["losses"][-1] < 0.8 * out["losses"][0]
+    # engine.evaluate and the plain Flax module with the trained params agree.
+    np.testing.assert_allclose(out["eval"], out["plain"], rtol=1e-5)
+
+
+def test_cnn_example_trains_and_goes_back_to_flax():
+    out = load_example("linen_cnn_batchnorm").main(["--steps", "12"])
+    assert out["losses"][-1] < 0.5 * out["losses"][0]
+    assert out["eval"] == out["plain"] >= 0.9
+    stats = out["variables"]["batch_stats"]["ConvBlock_0"]["BatchNorm_0"]
+    assert float(jnp.abs(stats["mean"]).max()) > 0  # the running statistics moved
+
+
+def test_unit_class_the_model_lacks_is_a_model_error():
+    model, _ = nnx_setup()
+    with pytest.raises(zj.ModelError, match="no instance of the unit class.*ScanBlock"):
+        zj.from_nnx(model, nnx_loss, units=(ScanBlock,))
+    module, _ = linen_setup()
+    sample = BATCHES[0]["inputs"][:1]
+    with pytest.raises(zj.ModelError, match="calls no instance of the unit class.*Block"):
+        zj.from_linen(module, linen_loss, sample, units=(Block,))
+    with pytest.raises(zj.ModelError, match="must name module classes"):
+        zj.from_linen(module, linen_loss, sample, units=("ScanBlock",))
+
+
+class BNLayer(nnx.Module):
+    def __init__(self, d_in, d_out, axis_name, rngs):
+        self.linear = nnx.Linear(d_in, d_out, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(d_out, momentum=0.9, axis_name=axis_name, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.bn(self.linear(x)))
+
+
+class BNNet(nnx.Module):
+    def __init__(self, axis_name, rngs):
+        self.layers = nnx.List([BNLayer(8, 16, axis_name, rngs), BNLayer(16, 16, axis_name, rngs)])
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def bn_loss(model, batch):
+    return xent(model(batch["x"]), batch["y"])
+
+
+def test_nnx_batchnorm_matches_global_batch():
+    mesh = zj.make_mesh(data=N)
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(16, 8)).astype(np.float32),
+                "y": rng.integers(0, 4, 16).astype(np.int32)} for _ in range(STEPS)]
+    zm = zj.from_nnx(BNNet(zj.batch_axes(mesh), nnx.Rngs(0)), bn_loss, units=(BNLayer,))
+    engine = zj.Engine(zm, tx(), mesh, zj.ZeroConfig(stage=3))
+    state = engine.init(jax.random.key(0), batches[0])
+    for b in batches:
+        state, _ = engine.step(state, b)
+
+    graph, params, stats = nnx.split(BNNet(None, nnx.Rngs(0)), nnx.Param, ...)
+    opt = tx()
+
+    @jax.jit
+    def step(params, stats, opt_state, b):
+        def loss(p):
+            model = nnx.merge(graph, p, jax.tree.map(lambda x: x, stats))  # of this trace
+            return bn_loss(model, b), nnx.state(model, nnx.BatchStat)
+
+        g, stats = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    opt_state = opt.init(params)
+    for b in batches:
+        params, stats, opt_state = step(params, stats, opt_state, b)
+    assert_tree_close(engine.params(state), nnx.to_pure_dict(params), rtol=RTOL, atol=1e-5)
+    model_state = engine.model_state(state)
+    assert_tree_close(model_state, nnx.to_pure_dict(stats), rtol=RTOL, atol=1e-6)
+    assert float(jnp.abs(model_state["layers"][0]["bn"]["mean"]).max()) > 0
+
+
+def test_linen_scan_stack_on_another_axis_is_a_model_error():
+    class Moved(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            blocks = nn.scan(ScanBlock, variable_axes={"params": 1},
+                             split_rngs={"params": True}, length=2)
+            return blocks(name="blocks")(nn.Embed(V, D)(tokens), None)[0].sum()
+
+    from zerojax.units import PlainUnits
+
+    sample = BATCHES[0]["inputs"][:1]
+    zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample, units=(ScanBlock,))
+    params = zm.init(jax.random.key(0))
+    with pytest.raises(zj.ModelError, match="on axis 0"):
+        zm.loss(params, BATCHES[0], PlainUnits())
+    # Without the unit, the same model runs as one unit, exactly as plain linen.
+    zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample)
+    np.testing.assert_allclose(zm.loss(params, BATCHES[0], PlainUnits()),
+                               Moved().apply({"params": params}, BATCHES[0]["inputs"]),
+                               rtol=1e-6)
+
+
+def test_nnx_unit_never_called_is_a_model_error():
+    from zerojax.units import PlainUnits
+
+    model, _ = nnx_setup()
+    zm = zj.from_nnx(model, lambda m, b: m.embed(b["inputs"]).sum(), units=(Block,))
+    with pytest.raises(zj.ModelError, match=r"/blocks/0, /blocks/1, /blocks/2 were not run"):
+        zm.loss(zm.init(None), BATCHES[0], PlainUnits())

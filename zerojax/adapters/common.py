@@ -1,0 +1,238 @@
+"""What the Flax adapters share: running one unit (gather + call) under remat, trees by path."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zerojax.errors import ModelError
+
+_LOCK = threading.RLock()  # the patch of flax's scan is process-wide
+
+
+@contextlib.contextmanager
+def scan_through(units, placeholders: dict, used: set, owner, attr: str, proxy):
+    """While active, `owner.<attr>` is `proxy(scan)`: a flax transform's `lax.scan` over the
+    stacked `placeholders` (`id -> (array, handle)`) runs as `units.scan` over their handles,
+    the gathered layer in place of each placeholder's slice. Adds the ids it consumed to
+    `used`; any other scan runs as before."""
+    if not placeholders:
+        yield
+        return
+
+    def scan(f, init, xs, length=None, reverse=False, unroll=1, **kw):
+        flat, tree = jax.tree.flatten(xs)
+        hs = [placeholders[id(x)][1] if id(x) in placeholders else None for x in flat]
+        used.update(id(x) for x, h in zip(flat, hs) if h is not None)
+        if not any(h is not None for h in hs):
+            return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
+        if reverse:
+            raise ModelError("a unit stack scanned with reverse=True is not supported; "
+                             "scan it forward")
+        n = flat[0].shape[0]
+        layer = lambda xs_l, i: [w if h is not None else lax.dynamic_index_in_dim(x, i, 0, False)
+                                 for x, w, h in zip(flat, xs_l, hs)]
+        y_avals = jax.eval_shape(lambda c: f(c, jax.tree.unflatten(tree, [
+            x[0] for x in flat]))[1], init)
+        axes = _vma(init)  # the per-layer outputs vary at most as the carry does
+        ys0 = jax.tree.map(lambda a: _vary(jnp.zeros((n, *a.shape), a.dtype), axes), y_avals)
+
+        def body(carry, ws):
+            c, i, ys = carry
+            it = iter(ws)
+            xs_l = [next(it) if h is not None else None for h in hs]
+            c, y = f(c, jax.tree.unflatten(tree, layer(xs_l, i)))
+            ys = jax.tree.map(
+                lambda b, v: lax.dynamic_update_index_in_dim(b, _vary(v, axes), i, 0), ys, y)
+            return c, i + 1, ys
+
+        c, _, ys = units.scan(body, (init, jnp.int32(0), ys0), [h for h in hs if h is not None])
+        return c, ys
+
+    with _LOCK:
+        saved = getattr(owner, attr)
+        setattr(owner, attr, proxy(scan))
+        try:
+            yield
+        finally:
+            setattr(owner, attr, saved)
+
+
+def _vma(tree) -> tuple[str, ...]:
+    """The mesh axes any leaf of `tree` varies over."""
+    axes = set()
+    for leaf in jax.tree.leaves(tree):
+        axes |= _varying(leaf)
+    return tuple(sorted(axes))
+
+
+def _varying(x) -> set[str]:
+    mat = getattr(jax.typeof(x), "mat", None)  # absent outside shard_map
+    return set(getattr(mat, "varying", ()))
+
+
+def _vary(x, axes):
+    """`x` typed device-varying over `axes` (a cast under check_vma; no data moves)."""
+    missing = tuple(a for a in axes if a not in _varying(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+class LaxWith:
+    """`jax.lax` with another `scan`."""
+
+    def __init__(self, scan):
+        self.scan = scan
+
+    def __getattr__(self, name):
+        return getattr(lax, name)
+
+
+class JaxWith:
+    """`jax` whose `lax` has another `scan`."""
+
+    def __init__(self, scan):
+        self.lax = LaxWith(scan)
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+def placeholder(a) -> jax.Array:
+    """A stand-in for a unit's param of `a`'s shape: NaN, so a computation that reaches it
+    instead of the gathered value cannot pass unnoticed (XLA drops it when unused)."""
+    fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else 0
+    return jnp.full(a.shape, fill, a.dtype)
+
+
+def check_unit_classes(units: Any) -> tuple[type, ...]:
+    """`units` as a tuple of classes, or a ModelError naming the bad entry."""
+    units = tuple(units) if isinstance(units, (tuple, list)) else (units,)
+    for u in units:
+        if not isinstance(u, type):
+            raise ModelError(f"units must name module classes (e.g. units=(Block,)), got {u!r}")
+    return units
+
+
+def unit_call(units, fn, handles, *args):
+    """`fn(units.gather(handles), *args)`: one ZeRO unit's call.
+
+    In stage 3 the gather and the call are one function whose backward gathers the weights
+    again: forward keeps only the unit's inputs, never its gathered weights. Elsewhere (the
+    replicated stages, plain and recording units) the call is direct, rematerialized when the
+    units say `remat`, as `units.scan` does per layer. Non-array leaves of `args` stay static.
+    """
+    leaves, tree = jax.tree.flatten(args)
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+    def run(dyn_leaves):
+        full = list(leaves)
+        for i, x in zip(dyn, dyn_leaves):
+            full[i] = x
+        return fn(units.gather(handles), *jax.tree.unflatten(tree, full))
+
+    xs = [leaves[i] for i in dyn]
+    stage = getattr(units, "stage", None)
+    if stage == 3:
+        return _regathered(run, xs)
+    if stage is not None and getattr(units, "remat", False):
+        return jax.checkpoint(run)(xs)
+    return run(xs)
+
+
+def _regathered(f, xs):
+    """`f(xs)`, recomputed (gathers included) in backward."""
+    f_c, consts = jax.closure_convert(f, xs)  # the unit's shards are among the consts
+
+    @jax.custom_vjp
+    def call(xs, consts):
+        return f_c(xs, *consts)
+
+    def fwd(xs, consts):
+        return f_c(xs, *consts), (xs, consts)
+
+    def bwd(res, ct):
+        xs, consts = res
+        # The backward's gathers must depend on the cotangent: XLA drops remat's optimization
+        # barriers and would merge (CSE) them with the forward's identical gathers, keeping
+        # every unit's gathered weights alive from forward to backward.
+        zero = _zero_from(ct)
+        consts = [c + zero.astype(c.dtype) if _is_float(c) else c for c in consts]
+        _, vjp = jax.vjp(lambda xs, *k: f_c(xs, *k), xs, *consts)
+        ct_xs, *ct_consts = vjp(ct)
+        return ct_xs, ct_consts
+
+    call.defvjp(fwd, bwd)
+    return call(xs, consts)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _zero_from(ct) -> jax.Array:
+    """A zero that XLA cannot compute before `ct` exists (x * 0 is not folded for floats)."""
+    floats = [x for x in jax.tree.leaves(ct) if _is_float(x) and x.size]
+    if not floats:
+        return jnp.zeros((), jnp.float32)
+    return floats[0].reshape(-1)[0].astype(jnp.float32) * 0
+
+
+def at_path(tree: dict, path: tuple) -> Any:
+    """The subtree of nested dicts `tree` at `path`."""
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def split_paths(tree: dict, paths) -> tuple[dict, dict]:
+    """`tree` -> (its subtrees at `paths` keyed by path, the rest with those subtrees removed)."""
+    parts = {p: at_path(tree, p) for p in paths}
+
+    def rest(node, prefix):
+        if prefix in parts:
+            return None
+        if not isinstance(node, dict):
+            return node
+        out = {k: rest(v, (*prefix, k)) for k, v in node.items()}
+        return {k: v for k, v in out.items() if v is not None and not _empty(v)}
+
+    return parts, rest(tree, ())
+
+
+def put_paths(rest: dict, parts: dict) -> dict:
+    """Inverse of `split_paths`."""
+    out = _copy(rest)
+    for path, sub in parts.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        if path:
+            node[path[-1]] = sub
+        else:
+            out = sub
+    return out
+
+
+def _empty(x) -> bool:
+    return isinstance(x, dict) and not x
+
+
+def _copy(tree):
+    return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def training(units) -> bool:
+    return bool(getattr(units, "training", True))
+
+
+def fresh_key(units):
+    """`units.rng()`, or None from units that have no key (e.g. a bare `PlainUnits()`)."""
+    try:
+        return units.rng()
+    except ModelError:
+        return None

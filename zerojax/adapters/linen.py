@@ -1,0 +1,205 @@
+"""`from_linen`: an unmodified Flax linen module as a zerojax model.
+
+Each `apply` runs `module.apply` with the root unit's params gathered and, in place of every
+unit's params, their handles, under `nn.intercept_methods`: a call of a unit instance gathers
+its handles and runs the instance as its own `apply`, both inside one rematerialized function
+(`common.unit_call`). A unit stacked by `nn.scan` gets zero-cost placeholders of its stacked
+shape instead; flax's scan loop over them (`flax.core.axes_scan`) is replaced, for that call
+only, by `units.scan`, which hands flax's layer body the gathered layer in their place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import axes_scan
+
+from zerojax.adapters.common import (
+    LaxWith,
+    at_path,
+    check_unit_classes,
+    fresh_key,
+    placeholder,
+    put_paths,
+    scan_through,
+    split_paths,
+    training,
+    unit_call,
+)
+from zerojax.errors import ModelError
+
+
+class LinenModel:
+    """A linen module trained by zerojax (see `from_linen`)."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=(),
+                 rngs=("dropout",)):
+        if not isinstance(module, nn.Module):
+            raise ModelError(f"from_linen needs a flax.linen Module, got {type(module).__name__}"
+                             f"; for an NNX module use zj.from_nnx")
+        self.module, self.loss_fn = module, loss_fn
+        sample_args = sample_args if isinstance(sample_args, tuple) else (sample_args,)
+        # engine.init runs module.init for real, which needs arrays.
+        self.sample_args = jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
+            sample_args)
+        self.classes = check_unit_classes(units)
+        self.rng_names = tuple(rngs)
+        abstract = jax.eval_shape(self._variables, jax.random.key(0))
+        if "params" not in abstract:
+            raise ModelError(f"{type(module).__name__}.init(...) made no params; check "
+                             f"sample_args, the arguments of one call of the module")
+        self.state_cols = tuple(c for c in abstract if c != "params")
+        self.instances, self.stacks = self._find_units(abstract)
+        if self.state_cols:
+            self.init_state = self._init_state
+
+    def _variables(self, rng):
+        # "params" gets `rng` itself, as `module.init(rng, ...)` does.
+        rngs = {"params": rng, **{n: jax.random.fold_in(rng, i + 1)
+                                  for i, n in enumerate(self.rng_names)}}
+        return dict(self.module.init(rngs, *self.sample_args))
+
+    def init(self, rng: jax.Array) -> dict:
+        return self._variables(rng)["params"]
+
+    def _init_state(self, rng: jax.Array) -> dict:
+        return {c: v for c, v in self._variables(rng).items() if c != "params"}
+
+    def _find_units(self, abstract) -> tuple[list[tuple], dict[tuple, Any]]:
+        """Paths of the unit instances called directly, and of those stacked by `nn.scan`
+        (with the stacked params' abstract values)."""
+        found: dict[tuple, Any] = {}
+        depth = [0]
+
+        def record(next_fun, args, kwargs, ctx):
+            top = _is_unit(ctx.module, self.classes) and not depth[0]
+            if top and ctx.module.path not in found:
+                found[ctx.module.path] = ctx.module.variables.get("params", {})
+            depth[0] += top
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                depth[0] -= top
+
+        def run(variables):
+            rngs = {n: jax.random.key(0) for n in self.rng_names}
+            with nn.intercept_methods(record):
+                return self.module.apply(variables, *self.sample_args, rngs=rngs,
+                                         mutable=list(self.state_cols))
+
+        jax.eval_shape(run, abstract)
+        if self.classes and not found:
+            names = ", ".join(c.__name__ for c in self.classes)
+            raise ModelError(f"the model calls no instance of the unit class(es) {names}; "
+                             f"name classes of its submodules, or units=() for one unit")
+        instances, stacks = [], {}
+        for path, seen in found.items():
+            full = at_path(abstract["params"], path)
+            if jax.tree.map(jnp.shape, full) == jax.tree.map(jnp.shape, seen):
+                instances.append(path)
+            else:
+                stacks[path] = full
+        return instances, stacks
+
+    def loss(self, params, batch, units):
+        return self.loss_fn(Apply(self, params, units), batch)
+
+    def merge(self, params: dict, model_state: dict | None = None) -> dict:
+        """The linen variables `{"params": params, **model_state}` for `module.apply`."""
+        return {"params": params, **(model_state or {})}
+
+
+class Apply:
+    """`apply(*args, **kwargs)`: `module.apply` with this step's params, rngs and state.
+
+    `apply.training` is `units.training` (True in `engine.step`, False in `engine.evaluate`),
+    for the module's `train` / `deterministic` argument.
+    """
+
+    def __init__(self, model: LinenModel, params, units):
+        self.model, self.params, self.units = model, params, units
+        self.training = training(units)
+        self._inside = False  # in a unit's own apply, whose calls run plainly
+
+    def __call__(self, *args, method=None, **kwargs):
+        model, units = self.model, self.units
+        parts, root = split_paths(self.params, [*model.instances, *model.stacks])
+        if jax.tree.leaves(root):
+            root = units.gather(root)
+        placeholders = {}
+        for path in model.stacks:
+            # flax's scan over them becomes units.scan.
+            stand = jax.tree.map(placeholder, model.stacks[path])
+            for x, h in zip(jax.tree.leaves(stand), jax.tree.leaves(parts[path])):
+                placeholders[id(x)] = (x, h)
+            parts[path] = stand
+        variables = {"params": put_paths(root, parts)}
+        state = units.state if model.state_cols else None
+        variables.update(state or {})
+        keys = {n: fresh_key(units) for n in model.rng_names} if self.training else {}
+        rngs = {n: k for n, k in keys.items() if k is not None}
+        used: set[int] = set()
+        with scan_through(units, placeholders, used, axes_scan, "lax", LaxWith), \
+                nn.intercept_methods(self._intercept):
+            out = model.module.apply(variables, *args, rngs=rngs, method=method,
+                                     mutable=list(model.state_cols) or False, **kwargs)
+        if used != set(placeholders):
+            # Else the model computed on the placeholders.
+            raise ModelError("a unit stacked by nn.scan must take its params on axis 0, "
+                             "unmoved (variable_axes={'params': 0}); or leave its class out "
+                             "of units")
+        if state is None:
+            return out
+        out, new = out
+        units.set_state({c: new[c] for c in model.state_cols})
+        return out
+
+    def _intercept(self, next_fun, args, kwargs, ctx):
+        m = ctx.module
+        if (self._inside or m.path not in self.model.instances
+                or not _is_unit(m, self.model.classes)):
+            return next_fun(*args, **kwargs)
+        cols = {c: v for c, v in m.variables.items() if c != "params"}
+        mutable = [c for c in cols if m.is_mutable_collection(c)]
+        rngs = {n: m.make_rng(n) for n in self.model.rng_names if m.has_rng(n)}
+        unbound = m.clone(parent=None)
+        method = ctx.method_name
+
+        def fn(params, args, kwargs, cols, rngs):
+            self._inside = True
+            try:
+                out = unbound.apply({"params": params, **cols}, *args, rngs=rngs,
+                                    method=method, mutable=mutable or False, **kwargs)
+            finally:
+                self._inside = False
+            return out if mutable else (out, {})
+
+        out, new = unit_call(self.units, fn, m.variables["params"], args, kwargs, cols, rngs)
+        for c in mutable:
+            for name, v in new[c].items():
+                m.put_variable(c, name, v)
+        return out
+
+
+def _is_unit(module, classes) -> bool:
+    # nn.scan(Block) etc. subclass Block; their own call is the transform, not the unit.
+    return isinstance(module, classes) and type(module).__module__ != nn.transforms.__name__
+
+
+def from_linen(module: nn.Module, loss_fn: Callable[[Apply, Any], Any], sample_args,
+               units=(), rngs=("dropout",)) -> LinenModel:
+    """A zerojax model from a linen module and `loss_fn(apply, batch) -> loss | (loss, aux)`.
+
+    `apply(*args, **kwargs)` is `module.apply` with this step's params, a fresh key for each
+    stream in `rngs`, and the model state (every collection `module.init` makes besides
+    "params", e.g. "batch_stats") mutable. `sample_args`: the arguments of one call of the
+    module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s). Every instance of a class
+    in `units` is one ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining
+    params form one root unit.
+    """
+    return LinenModel(module, loss_fn, sample_args, units, rngs)

@@ -1,0 +1,214 @@
+"""`from_nnx`: an unmodified Flax NNX module as a zerojax model.
+
+The module is split once into its graph, its `nnx.Param`s (the trained params), its RNG
+streams and the rest (the model state: BatchNorm statistics and other non-trained
+variables). Every step rebuilds the module functionally (`nnx.merge`) with the root unit's
+params gathered, fresh keys from `units.rng()` and the state from `units.state`. Each
+instance of a unit class keeps parameter handles until its `__call__`, which gathers them
+and runs the instance, both inside one rematerialized function (`common.unit_call`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.nnx.transforms import iteration
+
+from zerojax.adapters.common import (
+    JaxWith,
+    at_path,
+    check_unit_classes,
+    fresh_key,
+    placeholder,
+    put_paths,
+    scan_through,
+    split_paths,
+    training,
+    unit_call,
+)
+from zerojax.errors import ModelError
+
+# While a loss is traced: (units, placeholders, ids of the placeholders used); else None.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_units", default=None)
+_UNIT_CLASSES: dict[type, type] = {}
+
+
+def _split(module):
+    """(graphdef, params, rng streams, model state) of an NNX module."""
+    return nnx.split(module, nnx.Param, nnx.RngState, ...)
+
+
+class NNXModel:
+    """An NNX module trained by zerojax (see `from_nnx`)."""
+
+    def __init__(self, module: nnx.Module, loss_fn: Callable, units=()):
+        if not isinstance(module, nnx.Module):
+            raise ModelError(f"from_nnx needs an nnx.Module, got {type(module).__name__}; "
+                             f"for a linen module use zj.from_linen")
+        self.loss_fn = loss_fn
+        self.classes = check_unit_classes(units)
+        self.graphdef, params, self._rngs, state = _split(module)
+        self._params = nnx.to_pure_dict(params)
+        self._state = nnx.to_pure_dict(state)
+        self._state_def = state
+        self._params_def = params
+        self.unit_paths = _outermost(
+            [p for p, n in nnx.iter_graph(module) if isinstance(n, self.classes) and p])
+        if self.classes and not self.unit_paths and not isinstance(module, self.classes):
+            names = ", ".join(c.__name__ for c in self.classes)
+            raise ModelError(f"the model has no instance of the unit class(es) {names}; "
+                             f"name classes of its submodules, or units=() for one unit")
+        if jax.tree.leaves(self._state):
+            self.init_state = self._init_state
+
+    def init(self, rng: jax.Array) -> dict:
+        """The module's own params (it was initialized when constructed; `rng` is unused)."""
+        del rng
+        return self._params
+
+    def _init_state(self, rng: jax.Array) -> dict:
+        del rng
+        return self._state
+
+    def loss(self, params, batch, units):
+        parts, root = split_paths(params, self.unit_paths)
+        if jax.tree.leaves(root):
+            root = units.gather(root)
+        # Units hold placeholders of their params' shapes: a unit call gathers the handles
+        # behind them; `nnx.scan` over a stacked unit becomes units.scan.
+        placeholders = {}
+        for path in self.unit_paths:
+            stand = jax.tree.map(placeholder, at_path(self._params, path))
+            for x, h in zip(jax.tree.leaves(stand), jax.tree.leaves(parts[path])):
+                placeholders[id(x)] = (x, h)
+            parts[path] = stand
+        module = self._module(put_paths(root, parts), self._fresh_rngs(units),
+                              units.state if self._state else None)
+        module.train() if training(units) else module.eval()
+        for path in self.unit_paths:
+            node = _node(module, path)
+            object.__setattr__(node, "__class__", _unit_class(type(node)))
+        used: set[int] = set()
+        token = _ACTIVE.set((units, placeholders, used))
+        try:
+            with scan_through(units, placeholders, used, iteration, "jax", JaxWith):
+                out = self.loss_fn(module, batch)
+        finally:
+            _ACTIVE.reset(token)
+        if used != set(placeholders):
+            unused = sorted({"".join(f"/{k}" for k in path) for path in self.unit_paths
+                             for x in jax.tree.leaves(parts[path]) if id(x) not in used})
+            raise ModelError(f"unit(s) {', '.join(unused)} were not run through their "
+                             f"__call__ (or scanned over another axis than 0); call them, or "
+                             f"leave their class out of units")
+        if self._state:
+            units.set_state(nnx.to_pure_dict(_split(module)[3]))
+        return out
+
+    def _fresh_rngs(self, units):
+        if not training(units) or not jax.tree.leaves(self._rngs) or fresh_key(units) is None:
+            return jax.tree.map(lambda x: x, self._rngs)  # new Variables, of this trace
+        # A new key per stream every step: keys kept in the module would be constants of the
+        # compiled step (the same dropout mask every step).
+        return jax.tree.map(lambda x: _keys(units.rng(), x.shape) if _is_key(x)
+                            else jax.numpy.zeros_like(x), self._rngs)
+
+    def _module(self, params: dict, rngs, state: dict | None) -> nnx.Module:
+        p = jax.tree.map(lambda x: x, self._params_def)
+        nnx.replace_by_pure_dict(p, params)
+        s = jax.tree.map(lambda x: x, self._state_def)
+        if state is not None:
+            nnx.replace_by_pure_dict(s, state)
+        return nnx.merge(self.graphdef, p, rngs, s)
+
+    def merge(self, params: dict, model_state: dict | None = None) -> nnx.Module:
+        """A new module like the user's with `params` (e.g. `engine.params(state)`) and
+        `model_state` (e.g. `engine.model_state(state)`) in it."""
+        return self._module(params, jax.tree.map(lambda x: x, self._rngs), model_state)
+
+    @staticmethod
+    def _unit_call(call, module, args, kwargs):
+        units, placeholders, used = _ACTIVE.get()
+        gdef, params, rest = nnx.split(module, nnx.Param, ...)
+        values = jax.tree.leaves(nnx.to_pure_dict(params))
+        found = [id(v) in placeholders for v in values]
+        if not any(found):  # a layer inside a units.scan: its params are gathered already
+            return call(module, *args, **kwargs)
+        if not all(found):
+            raise ModelError(f"unit {type(module).__name__} holds stacked and unstacked params "
+                             f"at once; an nnx.scan stack must take all its params on axis 0")
+        used.update(id(v) for v in values)
+        handles = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(params)),
+                                     [placeholders[id(v)][1] for v in values])
+
+        def fn(full, args, kwargs, rest):
+            p = jax.tree.map(lambda x: x, params)
+            nnx.replace_by_pure_dict(p, full)
+            inner = nnx.merge(gdef, p, rest)
+            token = _ACTIVE.set(None)  # the unit's own call, and its submodules', run plainly
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
+            return out, nnx.split(inner, nnx.Param, ...)[2]
+
+        out, rest = unit_call(units, fn, handles, args, kwargs, rest)
+        nnx.update(module, rest)
+        return out
+
+
+def _keys(key, shape):
+    """`key`, or keys of `shape` split from it (a stream stacked by `nnx.vmap`)."""
+    return jax.random.split(key, shape) if shape else key
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(jax.numpy.result_type(x), jax.dtypes.prng_key)
+
+
+def _outermost(paths: list[tuple]) -> list[tuple]:
+    """Unit paths that are not inside another unit (a unit's submodules belong to it)."""
+    order = lambda p: (len(p), [(isinstance(k, str), k) for k in p])  # noqa: E731 -- 0 < 2 < 10
+    paths = sorted(set(paths), key=order)
+    out: list[tuple] = []
+    for p in paths:
+        if not any(p[: len(q)] == q for q in out):
+            out.append(p)
+    return out
+
+
+def _node(module, path):
+    for k in path:
+        module = module[k] if isinstance(k, int) else getattr(module, k)
+    return module
+
+
+def _unit_class(cls: type) -> type:
+    """`cls` with a `__call__` that runs the instance as one ZeRO unit while a loss is traced."""
+    if cls not in _UNIT_CLASSES:
+        call = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            if _ACTIVE.get() is None:
+                return call(self, *args, **kwargs)
+            return NNXModel._unit_call(call, self, args, kwargs)
+
+        _UNIT_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                         "__module__": cls.__module__})
+    return _UNIT_CLASSES[cls]
+
+
+def from_nnx(module: nnx.Module, loss_fn: Callable[[Any, Any], Any], units=()) -> NNXModel:
+    """A zerojax model from an NNX module and `loss_fn(module, batch) -> loss | (loss, aux)`.
+
+    Every instance of a class in `units` is one ZeRO unit (gathered before its call, freed
+    after, gathered again in backward); the remaining params form one root unit. `units=()`:
+    the whole model is one unit. The module's `nnx.BatchStat`s and other non-param variables
+    are the model state; dropout draws fresh keys from the engine every step.
+    """
+    return NNXModel(module, loss_fn, units)
+
