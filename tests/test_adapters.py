@@ -321,6 +321,60 @@ def test_nnx_dropout_draws_new_masks_every_step():
     np.testing.assert_allclose(evals[0], float(nnx_loss(model, batch)), rtol=1e-5)
 
 
+def test_nnx_dropout_differs_per_device_and_resumes_bitwise(tmp_path):
+    """The same rows on every device: with shared masks the devices' losses would agree, so a
+    positive spread over devices shows each draws its own; a resumed run repeats the masks."""
+    def loss_fn(model, batch):
+        loss = nnx_loss(model, batch)
+        return loss, {"loss_sq": loss * loss}  # pmean(l²) - pmean(l)² = spread over devices
+
+    rows = {k: np.tile(v[:2], (N, 1)) for k, v in BATCHES[0].items()}
+    zm = zj.from_nnx(NNXLM(nnx.Rngs(0), layers=2, rate=0.5), loss_fn, units=(Block,))
+
+    def engine():
+        return zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=N), zj.ZeroConfig(stage=3))
+
+    first = engine()
+    state = first.init(jax.random.key(0), rows)
+    runs = []
+    for i in range(4):
+        if i == 2:
+            first.save(state, tmp_path / "ckpt")
+        state, m = first.step(state, rows)
+        runs.append((float(m["loss"]), float(m["loss_sq"])))
+    assert all(sq - loss * loss > 1e-6 for loss, sq in runs), runs
+    assert len({loss for loss, _ in runs}) == 4, runs
+    again = engine()
+    state = again.restore(tmp_path / "ckpt")
+    resumed = []
+    for _ in range(2):
+        state, m = again.step(state, rows)
+        resumed.append((float(m["loss"]), float(m["loss_sq"])))
+    assert resumed == runs[2:]
+
+
+def test_linen_model_state_restores_on_another_mesh_and_stage(tmp_path):
+    """Saved under stage 3 on 4 devices, restored under stage 1 on 2: params, BatchNorm
+    statistics and the base key come back bitwise."""
+    ex = load_example("linen_cnn_batchnorm")
+    sample = jnp.zeros((1, ex.SIZE, ex.SIZE, 1))
+    zm = zj.from_linen(ex.CNN(), ex.loss_fn, sample, units=(ex.ConvBlock,))
+    src = zj.Engine(zm, optax.adam(1e-2), zj.make_mesh(data=4), zj.ZeroConfig(stage=3))
+    state = src.init(jax.random.key(0), ex.make_batch(0, 16))
+    for s in range(2):
+        state, _ = src.step(state, ex.make_batch(s, 16))
+    src.save(state, tmp_path / "ckpt")
+    dst = zj.Engine(zm, optax.adam(1e-2), zj.make_mesh(data=2), zj.ZeroConfig(stage=1))
+    back = dst.restore(tmp_path / "ckpt")
+    assert_tree_close(dst.params(back), src.params(state), rtol=0, atol=0)
+    assert_tree_close(dst.model_state(back), src.model_state(state), rtol=0, atol=0)
+    assert float(jnp.abs(dst.model_state(back)["batch_stats"]["ConvBlock_0"]["BatchNorm_0"]
+                         ["mean"]).max()) > 0
+    np.testing.assert_array_equal(np.asarray(back.rng), np.asarray(state.rng))
+    _, m2 = dst.step(back, ex.make_batch(2, 16))  # and it trains on from there
+    assert np.isfinite(float(m2["loss"]))
+
+
 def load_example(name):
     import importlib.util
     import pathlib
@@ -332,7 +386,7 @@ def load_example(name):
     return mod
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_linen_batchnorm_matches_global_batch(stage):
     """BatchNorm over the batch axes inside per-block units: params and running statistics
     as one device's BatchNorm over the global batch."""
