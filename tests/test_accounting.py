@@ -49,6 +49,8 @@ def test_components_by_stage():
         "grads": 250,
         "optimizer": 1500,
         "total": 3750,
+        "host": 0,
+        "transfer": 0,
     }
 
 
@@ -240,3 +242,65 @@ def test_train_memory_rows_say_what_the_state_holds():
         "memory/device", "3.06 MB estimated = bfloat16 params 438 KB + float32 master 875 KB "
                          "+ Adam moments 1.75 MB")
     assert bf16.as_dict()["state"] == bf16.state
+
+
+# --- optimizer offload: device and host bytes ----------------------------------------------
+
+def test_offload_splits_device_and_host_bytes_zero_figure_1():
+    psi, n = 7_500_000_000, 64
+    by_stage = {s: estimate(psi, n, s, offload="optimizer") for s in (1, 2, 3)}
+    # The host holds the fp32 master and moments, 12Ψ/N = 1.41 GB, in every stage.
+    assert {m.host for m in by_stage.values()} == {12 * psi / n} == {1.40625 * GB}
+    # The device: stage 1 replicated params + the full gradient before its reduce-scatter,
+    # stage 2 params + a gradient shard, stage 3 a shard of each: 4Ψ/N = 0.47 GB.
+    assert [m.total for m in by_stage.values()] == [2 * psi + 2 * psi, 2 * psi + 2 * psi / n,
+                                                    4 * psi / n]
+    assert by_stage[3].total == 0.46875 * GB and format_bytes(by_stage[3].total) == "469 MB"
+    assert all(m.optimizer == 0 for m in by_stage.values())
+    # Each step: the bf16 gradient shard down, the bf16 compute shard up.
+    assert {m.transfer for m in by_stage.values()} == {4 * psi / n}
+    # Offload moves the optimizer bytes and nothing else.
+    for s, m in by_stage.items():
+        plain = estimate(psi, n, s)
+        assert (m.params, m.grads, m.total + m.host) == (plain.params, plain.grads, plain.total)
+    assert state_estimate(psi, n, 3, offload="optimizer") == by_stage[3]
+
+
+def test_offload_float32_keeps_a_compute_copy_on_the_device():
+    psi, n = 1000, 8
+    # Stage 3 float32 without offload computes on the master itself (K = 8); with offload the
+    # master is on the host, so the device keeps float32 compute params and the host K = 12.
+    assert state_estimate(psi, n, 3, "float32") == MemoryEstimate(500, 500, 1000, 2000)
+    assert state_estimate(psi, n, 3, "float32", offload="optimizer") == MemoryEstimate(
+        500, 500, 0, 1000, host=1500, transfer=1000)
+    assert state_estimate(psi, n, 1, "float32", offload="optimizer") == MemoryEstimate(
+        4000, 4000, 0, 8000, host=1500, transfer=1000)
+    assert shares_master("float32", 3) and not shares_master("float32", 3, "optimizer")
+    fp32 = estimate_for(psi, n, 3, types.SimpleNamespace(param_dtype="float32", replica=1,
+                                                         offload="optimizer"))
+    assert (fp32.state, fp32.memory.host, fp32.shared_master) == (500, 1500, False)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"stage": 0, "offload": "optimizer"}, "offload='optimizer' needs stage 1, 2 or 3"),
+    ({"stage": 3, "offload": "params"}, "offload='params' is not an offload mode"),
+])
+def test_offload_bad_arguments(kw, message):
+    with pytest.raises(EstimateError, match=message):
+        estimate(1000, 8, **kw)
+
+
+def test_offload_table_and_memory_rows():
+    rows = estimate_table(7_500_000_000, 64, offload="optimizer")
+    assert [r["stage"] for r in rows] == ["0", "1 + offload", "2 + offload", "3 + offload"]
+    assert (rows[0]["host"], rows[3]["host"], rows[3]["total"]) == ("0 B", "1.41 GB", "469 MB")
+    assert rows[3]["host<->device"] == "469 MB" and rows[3]["saving"] == "99.6%"
+    est = estimate_for(875_264, 4, 3, types.SimpleNamespace(param_dtype="bfloat16", replica=1,
+                                                           offload="optimizer"))
+    assert memory_rows(est, 3_063_424 + 16, 2_625_792) == [
+        ("memory/device", "438 KB estimated in device memory = bfloat16 params 438 KB"),
+        ("memory/host", "2.63 MB estimated in host memory (offload) = float32 master 875 KB + "
+                        "Adam moments 1.75 MB"),
+        ("", "438 KB device + 2.63 MB host measured: this device's shards of the state"),
+        ("", "+ grads 438 KB (bfloat16) only while a step runs; 875 KB host<->device per step"),
+    ]

@@ -8,6 +8,7 @@ of twice (they are not rematerialized), are 5% of the parameters, so stage 3 sen
 than 3(N-1)/N·Ψ·b. ("test", at 21%, would be 7% off.)
 """
 
+import functools
 import json
 import resource
 import subprocess
@@ -73,9 +74,9 @@ def test_state_and_traffic_match_the_formulas(stage, n):
 SCALARS = 4 + 4 + 4 + 4 + 8  # step, Adam's count, loss scale, its good-step count, base key
 
 
-def tiny(stage, dtype, n=8):
+def tiny(stage, dtype, n=8, **kw):
     model = GPT.from_preset("test")  # no leaf needs padding at N = 8: the formula is exact
-    cfg = zj.ZeroConfig(stage=stage, param_dtype=dtype)
+    cfg = zj.ZeroConfig(stage=stage, param_dtype=dtype, **kw)
     batch = {k: jnp.zeros((n, model.cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
     return zj.Engine(model, optax.adamw(3e-4), zj.make_mesh(data=n), cfg), batch
 
@@ -231,3 +232,54 @@ def test_measure_cli_7b_on_64_devices():
     # CPU seconds, not wall time: other processes on a shared machine must not fail this.
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu < 60, f"measure took {cpu:.0f} CPU s ({time.monotonic() - start:.0f} s wall)"
+
+
+# --- optimizer offload: the state split by memory kind ---------------------------------------
+
+@functools.cache
+def engine_offloads() -> bool:
+    """Whether the engine places an offloaded optimizer state in host memory (a shape check of
+    the "test" preset; nothing compiled). Tests of offloaded runs switch on with it."""
+    if "offload" not in zj.ZeroConfig.__dataclass_fields__:
+        return False
+    e, b = tiny(3, "bfloat16", offload="optimizer")
+    state_bytes(e, b)  # learns the units
+    # Read the memory kind directly, not through accounting.on_host, which the tests check.
+    return any(x.sharding.memory_kind == "pinned_host"
+               for x in jax.tree.leaves(e.abstract_state().master))
+
+
+needs_offload = pytest.mark.skipif("not engine_offloads()",
+                                   reason="the engine keeps the optimizer state on the device")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_state_without_offload_is_all_in_device_memory(stage):
+    e, b = tiny(stage, "bfloat16")
+    state = state_bytes(e, b)
+    assert state["host"] == 0 and state["device"] == state["total"] > 0
+
+
+@needs_offload
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_state_by_memory_kind_is_the_formula(stage, dtype):
+    e, b = tiny(stage, dtype, offload="optimizer")
+    state, psi = state_bytes(e, b), e.layout.num_params
+    est = state_estimate(psi, 8, stage, dtype, offload="optimizer")
+    # The master and Adam's moments (12Ψ/N) on the host; compute params and scalars stay.
+    assert state["host"] == pytest.approx(est.host, abs=SCALARS) and est.host == 12 * psi / 8
+    assert state["device"] == pytest.approx(est.total - est.grads, abs=SCALARS)
+    assert state["params"] == est.params  # float32 stage 3 too: the device keeps a copy
+
+
+@needs_offload
+def test_offloaded_measurement_labels_the_derived_device_peak():
+    e, b = tiny(3, "bfloat16", offload="optimizer")
+    m = measure(e, b)
+    assert m.offload == "optimizer" and m.state["host"] > 0
+    if m.host_peak_bytes == 0:  # XLA:CPU: no host figures, so the split is derived
+        assert m.split == "derived"
+        assert m.device_peak_bytes == m.peak_bytes - m.state["host"]
+    mem, _ = m.estimates()
+    assert mem.host == 12 * m.num_params / 8

@@ -139,6 +139,10 @@ def test_estimate_table(capsys):
     (measure_main, ["--model", "test", "--devices", "8", "--stage", "4"], "stages are 0, 1"),
     (plan_main, ["--model", "test", "--devices", "8", "--memory", "lots"], "not a size"),
     (plan_main, ["--model", "test", "--devices", "8"], "required: --memory"),
+    (measure_main, ["--model", "test", "--devices", "8", "--offload", "optimizer"],
+     "--offload optimizer needs stages 1-3; drop stage 0"),
+    (estimate_main, ["--params", "1e9", "--devices", "8", "--offload", "params"],
+     "invalid choice: 'params'"),
 ])
 def test_bad_options_exit_2_with_one_line(main, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -302,3 +306,138 @@ def test_plan_largest_bad_options_exit_2(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+# --- optimizer offload ------------------------------------------------------------------------
+
+def test_largest_with_offload_is_the_estimate():
+    from zerojax.analysis.accounting import state_estimate
+    from zerojax.analysis.planning import activation_bytes, gpt_family, largest
+
+    family = gpt_family()
+    rows = largest(1, 80e9, offload="optimizer")
+    # Stage 0 cannot offload; on one device the device keeps 2Ψ params + 2Ψ grads (stage 3:
+    # 4Ψ/N, N = 1) and the host the master and moments, 12Ψ.
+    assert [(r["stage"], r["remat"], r["offload"]) for r in rows] == [
+        (s, rm, "optimizer") for s in (1, 2, 3) for rm in (True, False)]
+    for r in rows:
+        f, nx = r["fits"], r["next"]
+        psi = GPT(family[f.name]).num_params()
+        mem = state_estimate(psi, 1, r["stage"], offload="optimizer")
+        assert (f.state, f.host, f.transfer) == (mem.total, mem.host, mem.transfer)
+        assert (f.state, f.host, f.transfer) == (4 * psi, 12 * psi, 4 * psi)
+        assert f.activations == activation_bytes(family[f.name], 1, "bfloat16", r["remat"])[
+            "total"]
+        assert f.peak == f.state + f.activations <= 80e9 < nx.peak
+    assert {r["fits"].name for r in rows if r["remat"]} == {"gpt3-13b"}  # 2.7B-4B without
+    assert {r["fits"].name for r in rows if not r["remat"]} == {"7b"}
+    # A host budget below 12Ψ of gpt3-13b (155 GB) stops at 7b (80.6 GB on the host).
+    capped = largest(1, 80e9, offload="optimizer", host_memory=100e9, remat=(True,))
+    assert {r["fits"].name for r in capped} == {"7b"}
+    assert {r["next"].name for r in capped} == {"gpt3-13b"}
+
+
+def test_plan_largest_command_adds_offload_columns(capsys):
+    argv = ["--devices", "1", "--memory", "80GB", "--largest"]
+    assert plan_main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    rows = {(r["stage"], r["remat"]): r for r in out["largest"]}
+    assert rows[0, True]["offload"] is None
+    assert rows[3, True]["offload"]["fits"]["name"] == "gpt3-13b"
+    assert rows[3, True]["offload"]["next"]["name"] == "neox-20b"
+    assert rows[3, True]["offload"]["fits"]["host"] == 12 * rows[3, True]["offload"]["fits"][
+        "num_params"]
+    assert "12 bytes x Ψ/N per device, not limited" in out["assumptions"]["offload"]
+    assert out["assumptions"]["offload"] in captured.err
+    assert plan_main([*argv, "--stages", "3", "--remat", "on"]) == 0
+    table = capsys.readouterr().out
+    assert "+ offload" in table and "gpt3-13b" in table and "12.92B" in table
+    assert "155 GB" in table and "51.7 GB" in table  # host 12Ψ, host<->device 4Ψ
+    assert plan_main([*argv, "--offload", "off", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "offload" not in out["assumptions"]
+    assert all(r["offload"] is None for r in out["largest"])
+
+
+def test_plan_tries_offload_only_when_nothing_fits():
+    from test_measure import engine_offloads
+
+    model = GPT.from_preset("test")
+    shape = (8, model.cfg.seq_len)
+    b = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
+    kw = dict(stages=(3,), remat=(True,), grad_accum=(1,))
+    roomy = plan(model, 8, 1e12, b, **kw)
+    (c,) = roomy.candidates
+    assert not roomy.offload_searched and c.offload is None and roomy.best is c
+    budget = c.peak_bytes - 1
+    never = plan(model, 8, budget, b, **kw, offload=False)
+    assert never.best is None and len(never.candidates) == 1
+    tight = plan(model, 8, budget, b, **kw)
+    assert tight.offload_searched and [c.offload for c in tight.candidates] == [None,
+                                                                                "optimizer"]
+    assert tight.as_dict()["offload_searched"] is True
+    assert tight.notes()[0].startswith("nothing fits without offload")
+    plain, off = tight.candidates
+    assert not plain.fits and plain.reason.startswith("peak ")
+    if not engine_offloads():  # the state stays on the device: offload cannot help
+        assert tight.best is None
+        return
+    psi = model.num_params()
+    assert off.host_bytes == pytest.approx(12 * psi / 8, abs=8)
+    assert off.state_bytes < plain.state_bytes
+    assert tight.best is off and off.peak_bytes <= budget
+    assert tight.config() == zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer")
+
+
+def test_estimate_command_with_offload(capsys):
+    argv = ["--params", "7.5e9", "--devices", "64", "--offload", "optimizer"]
+    assert estimate_main([*argv, "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["offload"] for s in stages] == [None, "optimizer", "optimizer", "optimizer"]
+    assert [s["memory"]["total"] for s in stages] == [120e9, 30e9, 15.234375e9, 0.46875e9]
+    assert [s["memory"]["host"] for s in stages] == [0, 1.40625e9, 1.40625e9, 1.40625e9]
+    assert estimate_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 + offload" in out and "1.41 GB" in out and "host<->device" in out
+
+
+def test_measure_command_splits_device_and_host(capsys, keep_xla_flags):
+    from test_measure import engine_offloads
+
+    assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--offload",
+                         "optimizer", "--json"]) == 0
+    (m,) = json.loads(capsys.readouterr().out)["measurements"]
+    psi, mem = m["num_params"], m["estimate"]["memory"]
+    assert (m["offload"], mem["host"], mem["total"]) == ("optimizer", 12 * psi / 8, 4 * psi / 8)
+    assert m["state"]["device"] + m["state"]["host"] == m["state"]["total"]
+    if engine_offloads():
+        assert m["state"]["host"] == pytest.approx(mem["host"], abs=8)
+        # XLA:CPU reports no host bytes: the device peak is derived from the memory kinds.
+        assert m["split"] == ("derived" if m["host_peak_bytes"] == 0 else "measured")
+        assert m["device_peak_bytes"] < m["peak_bytes"]
+    assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--offload",
+                         "optimizer", "--memory", "1GB"]) == 0
+    table = capsys.readouterr().out
+    assert "host state" in table and "device peak" in table and "split" in table
+
+
+def test_plan_command_says_when_it_tried_offload(capsys, keep_xla_flags):
+    from test_measure import engine_offloads
+
+    argv = ["--model", "test", "--devices", "8", "--stages", "3", "--remat", "on",
+            "--grad-accum", "1", "--json"]
+    assert plan_main([*argv, "--memory", "1GB"]) == 0
+    (c,) = json.loads(capsys.readouterr().out)["candidates"]
+    tight = [*argv, "--memory", str(c["peak_bytes"] - 1)]
+    code = plan_main(tight)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["offload_searched"] and out["notes"][0].startswith("nothing fits without offload")
+    assert [c["offload"] for c in out["candidates"]] == [None, "optimizer"]
+    assert "searched 1 candidate + 1 with offload (nothing fit without it)" in captured.err
+    assert "stage 3 + offload, remat on, accum 1: lowering 2/2" in captured.err
+    assert code == (0 if engine_offloads() else 1)
+    assert plan_main([*tight, "--offload", "off"]) == 1
+    assert not json.loads(capsys.readouterr().out)["offload_searched"]

@@ -121,6 +121,8 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "config file": ("--config {tmp}/none.json", "config file not found"),
     "half distributed": ("--coordinator localhost:1234", "go together"),
     "prefetch": ("--stage 2 --prefetch", "--prefetch needs --stage 3"),
+    "offload": ("--stage 0 --offload optimizer",
+                "--offload optimizer needs --stage 1, 2 or 3 (got --stage 0)"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
     "negative ids": ("--model test --data {tmp}/neg.npy",
                      "2 token id(s) outside [0, 64) (preset 'test' has vocab_size 64), the "
@@ -193,6 +195,28 @@ def test_sample_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerojax sample: error: "), err
     assert message in err
+
+
+def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, monkeypatch):
+    from test_measure import engine_offloads
+
+    cfg = options.parse_args(["--stage", "2", "--offload", "optimizer"])
+    assert (cfg.offload, options.TrainConfig().offload) == ("optimizer", None)
+    assert options.validate(cfg).offload == "optimizer"
+    if not engine_offloads():
+        return
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    argv = ["--model", "test", "--batch", "8", "--eval-every", "0", "--data", str(tokens64),
+            "--devices", "4", "--steps", "3", "--stage", "3", "--param-dtype", "bfloat16",
+            "--offload", "optimizer", "--out", str(tmp_path)]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "offload optimizer (host memory)" in out and "memory/host" in out
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["config"]["offload"] == "optimizer" and s["steps_done"] == 3
+    est = s["memory_per_device"]["estimate"]
+    assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
+    assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
 
 
 def test_cut_off_metrics_record_is_dropped(tmp_path):

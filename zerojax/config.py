@@ -8,6 +8,7 @@ from zerojax.errors import ConfigError
 from zerojax.precision import dtype_name
 
 STAGES = (0, 1, 2, 3)
+OFFLOADS = ("optimizer",)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ZeroConfig:
     loss_scale: "dynamic", a fixed float, or None; None means "dynamic" for float16 and
         no scaling otherwise.
     prefetch: stage 3 only: gather layer i+1 while layer i computes.
+    offload: None (default) or "optimizer" (ZeRO-Offload, stages 1-3): the fp32 master shard
+        and the optimizer state live in pinned host memory, the optimizer update runs on the
+        host, and only the updated compute-dtype shard comes back to the device.
     """
 
     stage: int = 0
@@ -39,6 +43,7 @@ class ZeroConfig:
     prefetch: bool = False
     loss_scale_init: float = 2.0**15
     loss_scale_interval: int = 2000
+    offload: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -59,6 +64,13 @@ class ZeroConfig:
         if self.prefetch and self.stage != 3:
             raise ConfigError(f"prefetch=True needs stage=3 (got stage={self.stage}); prefetch "
                               f"overlaps the per-layer parameter gather, which only stage 3 has")
+        if self.offload is not None and self.offload not in OFFLOADS:
+            raise ConfigError(f"offload={self.offload!r} is not an offload mode; use one of "
+                              f"{OFFLOADS} or None")
+        if self.offload is not None and self.stage == 0:
+            raise ConfigError(f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage=0); "
+                              f"stage 0 keeps a full optimizer copy per device, so there is "
+                              f"no shard to offload")
         if self.loss_scale_interval < 1:
             raise ConfigError(f"loss_scale_interval={self.loss_scale_interval!r} must be >= 1")
 

@@ -19,6 +19,7 @@ from zerojax.mesh import batch_axes, check_batch, mesh_sizes, put_batch
 from zerojax.partition import Layout, LeafSpec
 from zerojax.precision import DTYPES, init_loss_scale
 from zerojax.step import (
+    DEVICE,
     StepPlan,
     TrainState,
     device_key,
@@ -26,8 +27,11 @@ from zerojax.step import (
     local_eval,
     local_step,
     split_loss,
+    to_memory,
 )
 from zerojax.units import RecordingUnits, make_handles
+
+HOST_MEMORY = "pinned_host"  # where offload="optimizer" keeps master and optimizer state
 
 
 class Engine:
@@ -151,9 +155,16 @@ class Engine:
         return jax.eval_shape(lambda k: _as_arrays(self.model.init_state(k)), jax.random.key(0))
 
     def state_shardings(self) -> TrainState:
-        """NamedShardings of every state leaf on this engine's mesh."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(),
-                            is_leaf=lambda x: isinstance(x, P))
+        """NamedShardings of every state leaf on this engine's mesh; with offload="optimizer"
+        the master and optimizer state are in "pinned_host" memory, the rest on the device."""
+        is_spec = lambda x: isinstance(x, P)
+        on = lambda kind: lambda s: NamedSharding(self.mesh, s, memory_kind=kind)
+        specs = self.state_specs()
+        shardings = jax.tree.map(on(None), specs, is_leaf=is_spec)
+        if self.config.offload is None:
+            return shardings
+        host = lambda t: jax.tree.map(on(HOST_MEMORY), t, is_leaf=is_spec)
+        return shardings._replace(master=host(specs.master), opt_state=host(specs.opt_state))
 
     def abstract_master(self):
         layout = self.layout
@@ -230,7 +241,10 @@ class Engine:
             body = jax.shard_map(partial(local_step, self.plan), mesh=self.mesh,
                                  in_specs=(specs, P(self.axes)), out_specs=(specs, P()),
                                  check_vma=True)
-            self._step_fn = jax.jit(body, donate_argnums=0)
+            # The state's memory kinds are pinned, not inferred: a host computation's scalar
+            # output (an optimizer's step count) may otherwise come back typed as device.
+            self._step_fn = jax.jit(body, donate_argnums=0,
+                                    out_shardings=(self.state_shardings(), None))
         return self._step_fn
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -261,8 +275,9 @@ class Engine:
 
     def params(self, state: TrainState) -> Any:
         """Logical fp32 master params: original shapes, padding removed."""
-        layout = self.layout
-        return jax.jit(layout.from_flat)(state.master)
+        layout, offload = self.layout, self.config.offload is not None
+        return jax.jit(lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m))(
+            state.master)
 
     def model_state(self, state: TrainState) -> Any:
         """The logical model state (None for a model without `init_state`)."""

@@ -9,18 +9,25 @@ gradient reaches its owner:
   stage 3: compute shards             grad -> psum_scatter per unit inside backward (_gather)
 
 With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over "replica".
+
+With `offload="optimizer"` the master shard and the optimizer state are host arrays: the
+reduced gradient shard goes to the host in its reduction dtype, the unscaling, clipping,
+optax update and loss-scale skip run there (`compute_on("device_host")`), and only the new
+compute-dtype shard comes back, so the device never holds fp32 master or moments.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
 from zerojax.collectives import gather_layer, gather_units
 from zerojax.config import ZeroConfig
@@ -38,7 +45,8 @@ class TrainState(NamedTuple):
     master: Any  # f32 per leaf [N·k] {data} or [L, N·k] {None, data}; stage 0 replicated
     opt_state: Any  # optax state over `master` (same layout)
     compute: Any  # param_dtype: stages 0–2 logical {replicated}; stage 3 like `master`;
-    #               None where it would equal `master` (float32 in stages 0 and 3)
+    #               None where it would equal `master` (float32 in stages 0 and 3, no offload)
+    # With offload="optimizer", `master` and `opt_state` live in pinned host memory.
     loss_scale: LossScale
     rng: Any = None  # u32 [2] {replicated}: data of the base key the model's keys derive from
     model_state: Any = None  # the model's state (init_state) {replicated}; None if it has none
@@ -66,14 +74,15 @@ class StepPlan:
 
     @property
     def stores_compute(self) -> bool:
-        return stores_compute(self.config.param_dtype, self.config.stage)
+        return stores_compute(self.config.param_dtype, self.config.stage, self.config.offload)
 
 
-def stores_compute(param_dtype: str, stage: int) -> bool:
+def stores_compute(param_dtype: str, stage: int, offload: str | None = None) -> bool:
     """Whether `TrainState.compute` holds compute params apart from the fp32 master."""
     # float32 stages 0 and 3 compute on the master itself; stages 1-2 keep replicated compute
-    # params next to the master shard, so they hold both even in float32.
-    return not (param_dtype == "float32" and stage in (0, 3))
+    # params next to the master shard, so they hold both even in float32. An offloaded
+    # master is in host memory, so the device needs its own compute copy in every stage.
+    return offload is not None or not (param_dtype == "float32" and stage in (0, 3))
 
 
 def split_loss(out):
@@ -196,40 +205,87 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
     model_state = average_state(model_state, plan.axes)
 
-    grads = _reduce(plan, grads)
+    grads = _reduce(plan, grads)  # the reduced shard, in the reduction (or accumulation) dtype
     denom = plan.replica * plan.data * k * scale
-    grads = [g.astype(jnp.float32) / denom for g in grads]
-
-    sq = sum(jnp.sum(jnp.square(g)) for g in grads)
+    sq = sum(jnp.sum(jnp.square(_unscale(g, denom))) for g in grads)
     if stage >= 1:
         sq = lax.psum(sq, DATA)
     norm = jnp.sqrt(sq)
-    if cfg.clip_norm is not None:
-        c = jnp.float32(cfg.clip_norm)
-        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
-        grads = [jnp.where(norm < c, g, g / norm * c) for g in grads]
 
-    master = state.master
-    g_tree = layout.unflatten(grads)
-    updates, opt_state = plan.optimizer.update(g_tree, state.opt_state, master)
-    new_master = optax.apply_updates(master, updates)
     ls = state.loss_scale
     metrics = {}
+    # norm is global, so every device takes the same branch
+    finite = jnp.isfinite(norm) if cfg.dynamic_scale else None
+    update = partial(_update, plan.optimizer, layout, cfg.clip_norm,
+                     plan.dtype if cfg.offload else None)
+    if cfg.offload:
+        # One host call: the gradient shard (in its reduced dtype, not fp32), the scale, norm
+        # and skip flag in; master and opt_state updated on the host; the compute-dtype
+        # shard out.
+        new_master, opt_state, shards = compute_on("device_host")(jax.jit(update))(
+            to_memory((grads, denom, norm, finite), HOST), state.opt_state, state.master)
+        shards = to_memory(shards, DEVICE)
+    else:
+        new_master, opt_state, shards = update((grads, denom, norm, finite), state.opt_state,
+                                               state.master)
     if cfg.dynamic_scale:
-        finite = jnp.isfinite(norm)  # norm is global, so every device takes the same branch
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_master, opt_state = keep(new_master, master), keep(opt_state, state.opt_state)
-        model_state = keep(model_state, state.model_state)
+        model_state = _keep(finite, model_state, state.model_state)
         ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
         metrics["loss_scale"] = ls.scale
         metrics["skipped"] = (~finite).astype(jnp.int32)
 
-    compute = _refresh(plan, new_master, state.compute) if plan.stores_compute else None
+    compute = _refresh(plan, shards, state.compute) if plan.stores_compute else None
     means = _mean_metrics(loss, aux, plan.axes)
     metrics.update(loss=means.pop("loss"), grad_norm=norm, **means)
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
                            model_state)
     return new_state, metrics
+
+
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def to_memory(tree, space):
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def on_device(state: TrainState) -> TrainState:
+    """`state` (inside jit) with an offloaded master and optimizer state read into device
+    memory, for computations that are not the host update (the checkpoint layout)."""
+    return state._replace(master=to_memory(state.master, DEVICE),
+                          opt_state=to_memory(state.opt_state, DEVICE))
+
+
+def _keep(finite, new, old):
+    """`new` where the step's gradients are finite, else `old` (a skipped step)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def _unscale(g, denom):
+    """A summed, loss-scaled gradient shard as the fp32 mean gradient."""
+    return g.astype(jnp.float32) / denom
+
+
+def _update(optimizer, layout: Layout, clip_norm, dtype, reduced, opt_state, master):
+    """The optimizer step on the master shard: (new master, new optimizer state, new master
+    leaves as the refresh reads them: themselves, or cast to `dtype` to leave host memory).
+
+    `reduced`: (summed gradient shards, their divisor, the global norm, the finite flag of
+    dynamic loss scaling or None)."""
+    grads, denom, norm, finite = reduced
+    grads = [_unscale(g, denom) for g in grads]
+    if clip_norm is not None:
+        c = jnp.float32(clip_norm)
+        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
+        grads = [jnp.where(norm < c, g, g / norm * c) for g in grads]
+    updates, new_opt = optimizer.update(layout.unflatten(grads), opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    if finite is not None:
+        new_master, new_opt = _keep(finite, new_master, master), _keep(finite, new_opt, opt_state)
+    leaves = jax.tree.leaves(new_master)
+    if dtype is not None:
+        leaves = [m.astype(dtype) for m in leaves]
+    return new_master, new_opt, leaves
 
 
 def _shard_shape(layout: Layout, leaf) -> tuple[int, ...]:
@@ -255,15 +311,15 @@ def _reduce(plan: StepPlan, grads: list) -> list:
     return grads
 
 
-def _refresh(plan: StepPlan, master, old) -> Any:
-    """New compute params from the updated master: cast (stages 0, 3) or all_gather (1, 2).
+def _refresh(plan: StepPlan, masters: list, old) -> Any:
+    """New compute params from the updated master leaves (fp32, or already in compute dtype
+    when offloaded): cast (stages 0, 3) or all_gather (1, 2).
 
     Stages 1/2 write each gathered layer into `old`, the donated compute params of the step
     before (dead once backward is done), so XLA updates that buffer in place instead of
     building a second replicated copy of the params and copying it out.
     """
     layout, dtype = plan.layout, plan.dtype
-    masters = jax.tree.leaves(master)
     if plan.config.stage == 0:
         return layout.unflatten(unpad(m.astype(dtype), leaf)
                                 for m, leaf in zip(masters, layout.leaves))

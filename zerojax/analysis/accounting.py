@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.analysis.hlo import collective_bytes, collectives
+from zerojax.config import OFFLOADS
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
 from zerojax.step import stores_compute
@@ -30,12 +31,16 @@ class EstimateError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-device model-state bytes."""
+    """Per-device model-state bytes: `total` is what device memory holds; with optimizer
+    offload the master and moments are in `host` memory instead and `transfer` bytes cross
+    between host and device each step."""
 
     params: float  # compute params, Ψ·pb (stage 3: /N)
     grads: float  # gradients, Ψ·gb (stages 2, 3: /N)
-    optimizer: float  # master params and moments, Ψ·K (stages 1-3: /N)
-    total: float
+    optimizer: float  # master params and moments on the device, Ψ·K (stages 1-3: /N; offload: 0)
+    total: float  # device bytes: params + grads + optimizer
+    host: float = 0.0  # offload: master and moments in host memory, Ψ·K/N
+    transfer: float = 0.0  # offload: gradient shard down + compute shard up, Ψ·(gb + pb)/N
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -54,8 +59,15 @@ class CommEstimate:
         return dataclasses.asdict(self)
 
 
-def _check(num_params: Any, devices: Any, stage: Any, replica: Any, **nbytes: Any) -> int:
+def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any = None,
+           **nbytes: Any) -> int:
     """Validates the common arguments; returns N, the devices the state is sharded over."""
+    if offload is not None and offload not in OFFLOADS:
+        raise EstimateError(f"offload={offload!r} is not an offload mode; use one of "
+                            f"{OFFLOADS} or None")
+    if offload is not None and stage == 0:
+        raise EstimateError(f"offload={offload!r} needs stage 1, 2 or 3 (got stage=0); stage 0 "
+                            f"has no optimizer shard to offload")
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)):
         raise EstimateError(f"num_params={num_params!r} must be a number of parameters")
     if not (num_params >= 0 and math.isfinite(num_params)) or num_params != int(num_params):
@@ -85,13 +97,20 @@ def estimate(
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
     replica: int = 1,
+    offload: str | None = None,
 ) -> MemoryEstimate:
-    """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica)."""
+    """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
+
+    `offload="optimizer"` (stages 1-3) moves the optimizer bytes to `host` memory: the device
+    keeps the compute params and gradients (stage 1: `2Ψ + 2Ψ`, the full gradient exists
+    before its reduce-scatter; stage 2: `2Ψ + 2Ψ/N`; stage 3: `4Ψ/N`), the host `12Ψ/N`.
+    """
     n = _check(
         num_params,
         devices,
         stage,
         replica,
+        offload,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
@@ -100,7 +119,11 @@ def estimate(
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     optimizer = psi * optimizer_bytes / (n if stage >= 1 else 1)
-    return MemoryEstimate(params, grads, optimizer, params + grads + optimizer)
+    if offload is None:
+        return MemoryEstimate(params, grads, optimizer, params + grads + optimizer)
+    # Each step the reduced gradient shard goes down and the updated compute shard comes up.
+    transfer = psi * (grad_bytes + param_bytes) / n
+    return MemoryEstimate(params, grads, 0.0, params + grads, optimizer, transfer)
 
 
 MASTER_BYTES = 4  # the fp32 master copy of a parameter
@@ -108,27 +131,29 @@ ADAM_BYTES = 8  # Adam's two fp32 moments
 
 
 def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str = "bfloat16",
-                   *, replica: int = 1) -> MemoryEstimate:
+                   *, replica: int = 1, offload: str | None = None) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training with Adam in `param_dtype`.
 
     `estimate` with the engine's byte sizes: params and grads in `param_dtype`; K = 12 (fp32
     master + moments), except where the compute params are the fp32 master itself (float32 in
     stages 0 and 3 keep no separate copy), where K = 8 and `params` is the master. bfloat16 and
     float16 give the ZeRO paper's numbers. `total - grads` is what the engine keeps between
-    steps; gradients exist only inside the step.
+    steps; gradients exist only inside the step. With `offload="optimizer"` the master and
+    moments (K = 12) are host bytes and the device always keeps a compute copy.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
                             f"{sorted(DTYPES)}")
     size = jnp.dtype(DTYPES[param_dtype]).itemsize
-    master = 0 if shares_master(param_dtype, stage) else MASTER_BYTES
+    master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
-                    optimizer_bytes=ADAM_BYTES + master, replica=replica)
+                    optimizer_bytes=ADAM_BYTES + master, replica=replica, offload=offload)
 
 
-def shares_master(param_dtype: str, stage: int) -> bool:
+def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
     """Whether the compute params are the fp32 master itself (no separate copy is kept)."""
-    return not stores_compute(param_dtype, stage)
+    # An offloaded master lives on the host, so the device computes on a copy of it.
+    return offload is None and not stores_compute(param_dtype, stage)
 
 
 def _ring(n: int, size: float, factor: int = 1) -> float:
@@ -192,9 +217,11 @@ def format_bytes(n: float) -> str:
 def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[str, str]]:
     """Rows for stages 0..3: memory by kind, total, saving vs stage 0 and bytes sent per step.
 
-    `kwargs` are the byte sizes and `replica` of `estimate` / `comm_estimate`.
+    `kwargs` are the byte sizes, `replica` and `offload` of `estimate` / `comm_estimate`.
+    With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
+    add the `host` bytes and the host<->device `transfer` per step; `total` is device bytes.
     """
-    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica")
+    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload")
     comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica")
     unknown = set(kwargs) - set(mem_keys) - set(comm_keys)
     if unknown:
@@ -202,23 +229,26 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
         raise EstimateError(f"unknown options {sorted(unknown)}; use {known}")
     mem_kw = {k: v for k, v in kwargs.items() if k in mem_keys}
     comm_kw = {k: v for k, v in kwargs.items() if k in comm_keys}
+    offload = mem_kw.pop("offload", None)
     base = estimate(num_params, devices, 0, **mem_kw).total
     rows = []
     for stage in STAGES:
-        m = estimate(num_params, devices, stage, **mem_kw)
+        m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None)
         c = comm_estimate(num_params, devices, stage, **comm_kw)
         saving = 1 - m.total / base if base else 0.0
-        rows.append(
-            {
-                "stage": str(stage),
-                "params": format_bytes(m.params),
-                "grads": format_bytes(m.grads),
-                "optimizer": format_bytes(m.optimizer),
-                "total": format_bytes(m.total),
-                "saving": f"{100 * saving:.1f}%",
-                "comm": format_bytes(c.total),
-            }
-        )
+        row = {
+            "stage": str(stage) + (" + offload" if offload and stage else ""),
+            "params": format_bytes(m.params),
+            "grads": format_bytes(m.grads),
+            "optimizer": format_bytes(m.optimizer),
+            "total": format_bytes(m.total),
+            "saving": f"{100 * saving:.1f}%",
+            "comm": format_bytes(c.total),
+        }
+        if offload:
+            row["host"] = format_bytes(m.host)
+            row["host<->device"] = format_bytes(m.transfer)
+        rows.append(row)
     return rows
 
 
@@ -238,6 +268,11 @@ class Measurement:
     gradients live only inside the step, in `temp_bytes`. `collective_bytes` is in the
     dtype the program asks for; `collective_bytes_compiled` is what the compiled program
     sends on this backend (XLA:CPU upcasts bf16 collectives to f32).
+
+    With offload, `state` also splits into `device` and `host` by each leaf's memory kind.
+    Where the compiled program reports host bytes (GPU), `device_peak_bytes` is measured
+    (`split` "measured"); XLA:CPU reports none and counts host buffers as arguments, so there
+    it is derived: `peak_bytes` less the state's host bytes (`split` "derived").
     """
 
     stage: int
@@ -257,12 +292,17 @@ class Measurement:
     collective_bytes_compiled: dict[str, float]
     collective_launches: int  # collectives the program starts per step (loops unrolled)
     unknown_loops: int  # while loops whose trip count was not found (counted once)
+    offload: str | None = None
+    host_peak_bytes: int = 0  # the host_* figures of memory_analysis (0 where not reported)
+    device_peak_bytes: int = 0  # peak_bytes less what lives in host memory
+    split: str = "measured"  # how device/host were told apart: "measured" or "derived"
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
         """The analytic `state_estimate` and `comm_estimate` for this configuration."""
         kw = {"replica": self.replica}
         devices = self.devices * self.replica
-        mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype, **kw)
+        mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
+                             offload=self.offload, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes, **kw)
         return mem, comm
@@ -281,15 +321,25 @@ def state_bytes(engine, batch=None) -> dict[str, int]:
         _abstract_batch(engine, batch)
     state = engine.abstract_state()
 
-    def nbytes(tree) -> int:
+    def nbytes(tree, where=lambda x: True) -> int:
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves(tree))
+                   for x in jax.tree.leaves(tree) if where(x))
 
     out = {"params": nbytes(state.compute), "master": nbytes(state.master),
            "optimizer": nbytes(state.opt_state),
            "other": nbytes((state.step, state.loss_scale, state.rng, state.model_state))}
     out["total"] = sum(out.values())
+    out["host"] = nbytes(state, on_host)
+    out["device"] = out["total"] - out["host"]
     return out
+
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def on_host(x) -> bool:
+    """Whether the array (or `ShapeDtypeStruct`) `x` is placed in host memory."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
 
 
 def measure(engine, batch) -> Measurement:
@@ -308,6 +358,8 @@ def measure_lowered(engine, lowered) -> Measurement:
     n_all = engine.replica * engine.data
     cfg = engine.config
     requested, launches, unknown = collectives(lowered.compiler_ir("hlo").as_hlo_text(), n_all)
+    state = state_bytes(engine)
+    peak, host_peak, device_peak, split = peaks(mem, state["host"])
     return Measurement(
         stage=cfg.stage,
         devices=engine.data,
@@ -320,14 +372,34 @@ def measure_lowered(engine, lowered) -> Measurement:
         output_bytes=mem.output_size_in_bytes,
         alias_bytes=mem.alias_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes,
-        peak_bytes=(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
-        state=state_bytes(engine),
+        peak_bytes=peak,
+        state=state,
         collective_bytes=requested,
         collective_bytes_compiled=collective_bytes(compiled.as_text(), n_all),
         collective_launches=launches,
         unknown_loops=unknown,
+        offload=cfg.offload,
+        host_peak_bytes=host_peak,
+        device_peak_bytes=device_peak,
+        split=split,
     )
+
+
+def peaks(mem, host_state: int) -> tuple[int, int, int, str]:
+    """`(peak, host_peak, device_peak, split)` per device from a compiled step's
+    `memory_analysis()` and the state's bytes in host memory.
+
+    `split` is "measured" where the compiler reports host bytes (or nothing is on the host);
+    XLA:CPU reports none and counts host buffers with the device's, so there the device peak is
+    derived: the host state, an argument aliased to its output, counts once in `peak`.
+    """
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
+    host_peak = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                 - mem.host_alias_size_in_bytes + mem.host_temp_size_in_bytes)
+    if host_peak or not host_state:
+        return peak, host_peak, peak, "measured"
+    return peak, host_peak, peak - host_state, "derived"
 
 
 def lower(engine, batch):

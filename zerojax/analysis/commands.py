@@ -24,6 +24,7 @@ from zerojax.analysis.accounting import (
     format_bytes,
 )
 from zerojax.analysis.planning import LR, plan
+from zerojax.config import OFFLOADS
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -109,6 +110,9 @@ def estimate_main(argv: list[str]) -> int:
                    help="K: fp32 master + Adam moments per param")
     p.add_argument("--reduce-bytes", type=float, default=None,
                    help="bytes per reduced gradient element (default: --grad-bytes)")
+    p.add_argument("--offload", choices=OFFLOADS, default=None,
+                   help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
+                        "the baseline); adds host and host<->device columns")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     a = p.parse_args(argv)
     psi = int(a.params) if a.params == int(a.params) else a.params
@@ -117,15 +121,21 @@ def estimate_main(argv: list[str]) -> int:
     comm_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
                    reduce_bytes=a.reduce_bytes, replica=a.replica)
     try:
-        rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes)
-        out = [{"stage": s, "memory": estimate(psi, a.devices, s, **mem_kw).as_dict(),
+        rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes,
+                              offload=a.offload)
+        out = [{"stage": s, "offload": a.offload if s else None,
+                "memory": estimate(psi, a.devices, s, **mem_kw,
+                                   offload=a.offload if s else None).as_dict(),
                 "comm": comm_estimate(psi, a.devices, s, **comm_kw).as_dict()} for s in STAGES]
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if a.json:
         print(json.dumps({"params": psi, "devices": a.devices, "stages": out}, indent=1))
     else:
-        _print_table(f"Ψ = {psi:,} params on {a.devices} devices (per device)", rows)
+        title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
+        if a.offload:
+            title += "; total: device bytes, host: master + moments in host memory"
+        _print_table(title, rows)
     return 0
 
 
@@ -229,7 +239,11 @@ class _Progress:
             self.task = self.bar.add_task("starting", total=total)
             self.bar.start()
 
-    def __call__(self, label: str, phase: str, index: int) -> None:
+    def __call__(self, label: str, phase: str, index: int, total: int | None = None) -> None:
+        if total is not None and total != self.total:  # the planner added offload candidates
+            self.total = total
+            if self.bar is not None:
+                self.bar.update(self.task, total=total)
         if phase == "done":
             if self.bar is not None:
                 self.bar.advance(self.task)
@@ -248,8 +262,9 @@ class _Progress:
         return time.monotonic() - self.start
 
 
-def _label(stage: int, remat: bool, accum: int) -> str:
-    return f"stage {stage}, remat {'on' if remat else 'off'}, accum {accum}"
+def _label(stage: int, remat: bool, accum: int, offload: str | None = None) -> str:
+    return (f"stage {stage}{' + offload' if offload else ''}, remat {'on' if remat else 'off'}, "
+            f"accum {accum}")
 
 
 def measure_main(argv: list[str]) -> int:
@@ -261,7 +276,12 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in backward")
     p.add_argument("--memory", type=_size, default=None, help="mark what fits, e.g. 80GB")
+    p.add_argument("--offload", choices=OFFLOADS, default=None,
+                   help="keep the optimizer state in host memory (stages 1-3); the table "
+                        "splits device and host bytes")
     a = p.parse_args(argv)
+    if a.offload and 0 in a.stage:
+        p.error(f"--offload {a.offload} needs stages 1-3; drop stage 0 (e.g. --stage 1,2,3)")
     _start_devices(p, a.devices)
     import optax
 
@@ -274,13 +294,13 @@ def measure_main(argv: list[str]) -> int:
     model, batch = _gpt_and_batch(a.model, a.batch or a.devices * a.grad_accum)
     facts = _assumptions(a, model, batch, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
-        f"grad_accum {a.grad_accum}"))
+        f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")))
     _print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
     results, progress = [], _Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
-                         grad_accum=a.grad_accum)
-        label = _label(stage, a.remat, a.grad_accum)
+                         grad_accum=a.grad_accum, offload=a.offload)
+        label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
             engine = Engine(model, optax.adamw(LR), make_mesh(data=a.devices), cfg)
             progress(label, "lowering", i)
@@ -305,18 +325,25 @@ def measure_main(argv: list[str]) -> int:
     for m in results:
         mem, comm = m.estimates()
         row = {"stage": m.stage, "state": format_bytes(m.state["total"]),
-               "state formula": format_bytes(mem.total - mem.grads),
+               "state formula": format_bytes(mem.total - mem.grads + mem.host),
                "temp": format_bytes(m.temp_bytes), "peak": format_bytes(m.peak_bytes),
                "sent": format_bytes(m.collective_bytes["total"]),
                "sent formula": format_bytes(comm.total),
                "sent compiled": format_bytes(m.collective_bytes_compiled["total"])}
+        if a.offload:
+            row.update({"device state": format_bytes(m.state["device"]),
+                        "host state": format_bytes(m.state["host"]),
+                        "host formula": format_bytes(mem.host),
+                        "device peak": format_bytes(m.device_peak_bytes), "split": m.split})
         if a.memory:
-            row["fits"] = "yes" if m.peak_bytes <= a.memory else "no"
+            row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
         rows.append(row)
     n = results[0].num_params if results else 0
     _print_table(f"{a.model} ({n:,} params), {a.devices} devices, per device; state formula "
                  f"excludes grads (they live in temp); sent: bytes per step in "
-                 f"{a.param_dtype}, compiled: as this backend sends them", rows)
+                 f"{a.param_dtype}, compiled: as this backend sends them"
+                 + ("; split: device/host peak measured by the compiler or derived from the "
+                    "state's memory kinds" if a.offload else ""), rows)
     return 0
 
 
@@ -334,6 +361,12 @@ def plan_main(argv: list[str]) -> int:
                    help="recompute each layer in backward: try both, or only on/off")
     p.add_argument("--grad-accum", type=_ints, default="1,2,4",
                    help="micro-batch counts to try (the global batch stays the same)")
+    p.add_argument("--offload", choices=("auto", "off"), default="auto",
+                   help="auto: try stages 1-3 with the optimizer state in host memory only if "
+                        "nothing fits without (--largest: add offload columns); off: never")
+    p.add_argument("--host-memory", type=_size, default=None,
+                   help="--largest: host memory per device that offload may use (default: "
+                        "not limited)")
     a = p.parse_args(argv)
     if min(a.grad_accum) < 1:
         p.error(f"--grad-accum {a.grad_accum}: every value must be >= 1")
@@ -354,24 +387,33 @@ def plan_main(argv: list[str]) -> int:
         "searched": f"stages {','.join(map(str, a.stages))} x remat "
                     f"{'/'.join('on' if r else 'off' for r in remat)} x grad_accum "
                     f"{','.join(map(str, a.grad_accum))} = {cands}; the least "
-                    f"traffic that fits wins"})
+                    f"traffic that fits wins",
+        "offload": "stages 1-3 with the optimizer state in host memory are tried only if "
+                   "nothing fits without (peak: device memory)" if a.offload == "auto" else
+                   "off"})
     _print_assumptions(f"zerojax plan: {a.model} on {a.devices} devices", facts)
     progress = _Progress(count)
     try:
         result = plan(model, a.devices, a.memory, batch, param_dtype=a.param_dtype,
                       stages=a.stages, remat=remat, grad_accum=a.grad_accum,
-                      progress=lambda c, phase, i, _: progress(
-                          _label(c.stage, c.remat, c.grad_accum), phase, i))
+                      offload=a.offload == "auto",
+                      progress=lambda c, phase, i, n: progress(
+                          _label(c.stage, c.remat, c.grad_accum, c.offload), phase, i, n))
     except ZeroError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     finally:
         seconds = progress.close()
+    if result.offload_searched:
+        more = len(result.candidates) - count
+        cands = f"{cands} + {more} with offload (nothing fit without it)"
     print(f"searched {cands} in {seconds:.0f} s", file=sys.stderr)
     if a.json:
         print(json.dumps({"model": a.model, "assumptions": facts, **result.as_dict()}, indent=1))
         return 0 if result.best else 1
     fmt = lambda v: "-" if v is None else format_bytes(v)
     rows = [{"stage": c.stage, "remat": "on" if c.remat else "off", "accum": c.grad_accum,
+             **({"offload": c.offload or "-", "host": fmt(c.host_bytes)}
+                if result.offload_searched else {}),
              "state": fmt(c.state_bytes), "peak": fmt(c.peak_bytes),
              "sent/step": fmt(c.comm_bytes), "launches": c.launches or "-",
              "fits": "yes" if c.fits else "no", "chosen": "<==" if c.chosen else "",
@@ -383,7 +425,8 @@ def plan_main(argv: list[str]) -> int:
         print("nothing fits: more devices, a smaller batch, or a smaller model", file=sys.stderr)
         return 1
     b = result.best
-    print(f"chosen: stage {b.stage}, remat {'on' if b.remat else 'off'}, grad_accum "
+    host = f" + offload ({format_bytes(b.host_bytes)} in host memory)" if b.offload else ""
+    print(f"chosen: stage {b.stage}{host}, remat {'on' if b.remat else 'off'}, grad_accum "
           f"{b.grad_accum}: peak {format_bytes(b.peak_bytes)}, "
           f"sends {format_bytes(b.comm_bytes)} per step per device")
     return 0
@@ -402,9 +445,13 @@ def _largest_main(p: _Parser, a) -> int:
     b = batch // a.devices
     remat = {"both": (True, False), "on": (True,), "off": (False,)}[a.remat]
     family = gpt_family()
+    kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
+              family=family)
     try:
-        rows = largest(a.devices, a.memory, batch_per_device=b, param_dtype=a.param_dtype,
-                       stages=a.stages, remat=remat, family=family)
+        rows = largest(a.devices, a.memory, **kw)
+        off = {} if a.offload == "off" else {
+            (r["stage"], r["remat"]): r for r in largest(
+                a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory)}
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     dtype = a.param_dtype
@@ -433,16 +480,27 @@ def _largest_main(p: _Parser, a) -> int:
         "not modelled": "fragmentation, XLA's extra temps, collective buffers: keep a margin "
                         "(zerojax measure compiles the step and reads the real peak)",
     }
+    if off:
+        facts["offload"] = (
+            "the + offload columns: stages 1-3 with offload='optimizer': the device holds the "
+            "compute params, gradients and activations (peak); the host holds the float32 "
+            "master and Adam moments, 12 bytes x Ψ/N per device, "
+            + (f"at most {format_bytes(a.host_memory)}" if a.host_memory else "not limited")
+            + "; each step the gradient shard goes down and the compute shard comes up")
     _print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
                        f"{format_bytes(a.memory)} each", facts)
     if a.json:
-        out = [{"stage": r["stage"], "remat": r["remat"],
-                "fits": r["fits"] and r["fits"].as_dict(),
-                "next": r["next"] and r["next"].as_dict()} for r in rows]
+        def both(r):
+            return {"fits": r["fits"] and r["fits"].as_dict(),
+                    "next": r["next"] and r["next"].as_dict()}
+
+        out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
+                "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
+               for r in rows]
         print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
                           "param_dtype": dtype, "assumptions": facts, "largest": out},
                          indent=1))
-        return 0 if any(r["fits"] for r in rows) else 1
+        return 0 if any(r["fits"] for r in [*rows, *off.values()]) else 1
     fmt = format_bytes
     table = []
     for r in rows:
@@ -456,9 +514,18 @@ def _largest_main(p: _Parser, a) -> int:
             "stage-3 unit": fmt(f.gathered) if f and f.gathered else "-",
             "next larger": f"{nx.name} ({nx.num_params / 1e9:.2f}B): {fmt(nx.peak)}"
                            if nx else "-"})
+        if off:
+            o = off.get((r["stage"], r["remat"]))
+            fo = o and o["fits"]
+            table[-1].update({
+                "+ offload": fo.name if fo else "none" if o else "-",
+                "offload params": f"{fo.num_params / 1e9:.2f}B" if fo else "-",
+                "device peak": fmt(fo.peak) if fo else "-",
+                "host": fmt(fo.host) if fo else "-",
+                "host<->device": fmt(fo.transfer) if fo else "-"})
     _print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
                  f"each (estimated)", table)
-    if not any(r["fits"] for r in rows):
+    if not any(r["fits"] for r in [*rows, *off.values()]):
         print(f"nothing fits: the smallest shape, {next(iter(family))}, needs more than "
               f"{format_bytes(a.memory)}", file=sys.stderr)
         return 1

@@ -63,6 +63,8 @@ class TrainConfig:
     """Recompute each layer in backward instead of saving its activations."""
     prefetch: bool = False
     """Stage 3: gather layer i+1's parameters while layer i computes."""
+    offload: Literal["optimizer"] | None = None
+    """optimizer: keep the fp32 master and Adam moments in host memory (stages 1-3)."""
     out: str = "runs/train"
     """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
     save_every: int = 0
@@ -192,6 +194,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
+    if cfg.offload is not None and cfg.offload != "optimizer":
+        raise UsageError(f"--offload={cfg.offload!r} is not an offload mode; use optimizer")
+    if cfg.offload is not None and cfg.stage == 0:
+        raise UsageError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (got --stage 0): "
+                         f"stage 0 has no optimizer shard to offload")
     if not cfg.out.strip():
         raise UsageError("--out is empty; name a run directory, e.g. --out runs/train")
     return dataclasses.replace(cfg, seq_len=seq_len,

@@ -26,6 +26,7 @@ from zerojax.analysis.accounting import (
     MASTER_BYTES,
     MemoryEstimate,
     format_bytes,
+    on_host,
     shares_master,
     state_estimate,
 )
@@ -39,10 +40,13 @@ def make_console(quiet: bool) -> Console:
     return console
 
 
-def state_bytes_per_device(state, device: jax.Device) -> int:
-    """Bytes of `device`'s addressable shards of every array in `state` (measured, not modelled)."""
+def state_bytes_per_device(state, device: jax.Device, host: bool | None = None) -> int:
+    """Bytes of `device`'s addressable shards of every array in `state` (measured, not modelled);
+    `host` True / False: only the arrays in host / device memory."""
     total = 0
     for leaf in jax.tree.leaves(state):
+        if host is not None and on_host(leaf) != host:
+            continue
         for shard in getattr(leaf, "addressable_shards", ()):
             if shard.device == device:
                 total += shard.data.nbytes
@@ -67,6 +71,7 @@ class RunEstimate:
     memory: MemoryEstimate  # `state_estimate`: grads included, though the state holds none
     param_dtype: str
     shared_master: bool  # the compute params are the fp32 master (no separate copy)
+    offload: str | None = None  # master and moments in host memory (`memory.host`)
 
     @property
     def state(self) -> float:
@@ -75,12 +80,26 @@ class RunEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.memory.as_dict(), "state": self.state, "param_dtype": self.param_dtype,
-                "shared_master": self.shared_master}
+                "shared_master": self.shared_master, "offload": self.offload}
 
 
-def memory_rows(estimate: RunEstimate, measured: int) -> list[tuple[str, str]]:
-    """Per-device model-state bytes: the estimate by component and the measured state arrays."""
+def memory_rows(estimate: RunEstimate, measured: int,
+                measured_host: int = 0) -> list[tuple[str, str]]:
+    """Per-device model-state bytes: the estimate by component and the measured state arrays
+    (`measured` counts every array; `measured_host` those in host memory)."""
     m, dtype, fmt = estimate.memory, estimate.param_dtype, format_bytes
+    if estimate.offload:
+        master = m.host * MASTER_BYTES / (MASTER_BYTES + ADAM_BYTES)
+        return [
+            ("memory/device", f"{fmt(estimate.state)} estimated in device memory = {dtype} "
+                              f"params {fmt(m.params)}"),
+            ("memory/host", f"{fmt(m.host)} estimated in host memory (offload) = float32 "
+                            f"master {fmt(master)} + Adam moments {fmt(m.host - master)}"),
+            ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
+                 f"this device's shards of the state"),
+            ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs; "
+                 f"{fmt(m.transfer)} host<->device per step"),
+        ]
     if estimate.shared_master:
         held = f"{dtype} params {fmt(m.params)} (the master) + Adam moments {fmt(m.optimizer)}"
     else:
@@ -216,8 +235,11 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg) -> RunEstimate:
     """This run's per-device model-state bytes by formula (`state_estimate`, Adam)."""
-    memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica)
-    return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage))
+    offload = getattr(cfg, "offload", None)
+    memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
+                            offload=offload)
+    return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
+                       offload)
 
 
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
@@ -237,6 +259,7 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
         ("ZeRO", f"stage {cfg.stage}, {cfg.param_dtype} compute, "
                  f"{'remat' if cfg.remat else 'no remat'}"
                  + (", prefetch" if cfg.prefetch else "")
+                 + (f", offload {cfg.offload} (host memory)" if cfg.offload else "")
                  + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
         ("batch", f"{cfg.batch} × {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "

@@ -182,7 +182,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     if cfg.xla_overlap and devices[0].platform != "gpu":
         notes.append(f"--xla-overlap: GPU flags, no effect on {devices[0].platform}")
     zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
-                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch)
+                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
+                      offload=cfg.offload)
     optimizer, schedule = make_optimizer(cfg)
     engine = Engine(model, optimizer, mesh, zcfg)
 
@@ -227,10 +228,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     num_params = engine.layout.num_params
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured = report.state_bytes_per_device(state, mine)
+    measured_host = report.state_bytes_per_device(state, mine, host=True)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg)
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
-        + report.memory_rows(estimate, measured)
+        + report.memory_rows(estimate, measured, measured_host)
         + [("note", n) for n in notes], "zerojax train"))
 
     def evaluate(state) -> float:

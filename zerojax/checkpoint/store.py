@@ -42,6 +42,7 @@ from zerojax.errors import CheckpointError
 from zerojax.mesh import DATA
 from zerojax.partition import Layout, LeafSpec, pad_flat, unpad
 from zerojax.precision import LossScale
+from zerojax.step import on_device
 
 META = "meta"
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
@@ -65,6 +66,8 @@ def _saver(engine):
     shardings = jax.tree.map(lambda x: x.sharding, _abstract(engine, layout))
 
     def logical(state):
+        if engine.config.offload is not None:
+            state = on_device(state)
         tree = {"params": layout.from_flat(state.master),
                 "opt_state": _map_opt(engine.optimizer, layout, unpad, state.opt_state),
                 "step": state.step,

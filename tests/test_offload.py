@@ -1,0 +1,150 @@
+"""ZeRO-Offload (`offload="optimizer"`): master and optimizer state in pinned host memory, the
+update on the host, the same numbers as without offload."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import CLIP, adamw, assert_tree_close, check_parity, engine_run, gpt_batch, tiny_gpt
+from test_precision import BATCH as SEED_BATCH
+from test_state import BATCHES, Norm, assert_bitwise
+
+import zerojax as zj
+from zerojax.mesh import put_batch
+from zerojax.models import SeedMLP
+
+HOST, DEVICE = "pinned_host", "device"
+
+
+def kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def assert_placement(state):
+    """Master and optimizer state on the host; everything the device computes with on it."""
+    assert kinds(state.master) == {HOST}
+    assert kinds(state.opt_state) == {HOST}
+    rest = (state.step, state.compute, state.loss_scale, state.rng, state.model_state)
+    assert kinds(rest) == {DEVICE}
+
+
+def offload_pair(model, optimizer, mesh, batches, **cfg):
+    """The same run without and with offload: [(losses, grad norms, params, state)] * 2."""
+    out = []
+    for offload in (None, "optimizer"):
+        eng = zj.Engine(model, optimizer, mesh, zj.ZeroConfig(offload=offload, **cfg))
+        losses, params, state = engine_run(eng, batches)
+        out.append((losses, engine_run.norms, params, state))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 4])
+def test_offload_gives_the_same_numbers(stage, n):
+    model = tiny_gpt()
+    batches = [gpt_batch(model.cfg, 8, s) for s in range(20)]
+    (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(
+        model, adamw(), zj.make_mesh(data=n), batches, stage=stage, clip_norm=CLIP)
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(n1, n0)
+    assert_bitwise(p1, p0)
+    assert_placement(state)
+    assert kinds(p1) == {DEVICE}  # engine.params reads the host master into device memory
+
+
+def test_offload_matches_single_device_optax():
+    cfg = zj.ZeroConfig(stage=2, clip_norm=CLIP, offload="optimizer")
+    check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4), cfg))
+
+
+def test_model_state_stays_on_device_and_evaluate_reads_it():
+    mesh = zj.make_mesh(data=4)
+    (l0, _, p0, s0), (l1, _, p1, s1) = offload_pair(
+        Norm(zj.batch_axes(mesh)), optax.adam(1e-2, eps=1e-6), mesh, BATCHES[:5], stage=3)
+    np.testing.assert_array_equal(l1, l0)
+    assert_bitwise(p1, p0)
+    assert_bitwise(s1.model_state, s0.model_state)
+    assert int(s1.model_state["count"]) == 5
+    assert_placement(s1)
+    # float32 stage 3 computes on the master without offload; offloaded, it keeps a device copy.
+    assert s0.compute is None and s1.compute is not None
+    eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh,
+                    zj.ZeroConfig(stage=3, offload="optimizer"))
+    eng.init(jax.random.key(0), BATCHES[0])
+    assert_placement(eng.abstract_state())  # what AOT compilation and restore target
+    ev = eng.evaluate(s1, BATCHES[5])
+    ref = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(stage=3))
+    ref.init(jax.random.key(0), BATCHES[0])
+    assert float(ev["loss"]) == float(ref.evaluate(s0, BATCHES[5])["loss"])
+
+
+def test_update_is_compiled_for_the_host():
+    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
+                    zj.ZeroConfig(stage=3, offload="optimizer"))
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    eng.init(jax.random.key(0), batch)
+    text = eng.lower(None, put_batch(batch, eng.mesh)).as_text()
+    assert '_xla_compute_type = "host"' in text
+    assert 'mhlo.memory_kind = "pinned_host"' in text
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
+    # SeedMLP's gradients overflow fp16 at a scale of 2**17: the first steps are skipped and
+    # must leave the host's master and moments untouched, exactly as on the device.
+    mesh = zj.make_mesh(data=2, replica=2)
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    out = offload_pair(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, [batch] * 8, stage=stage,
+                       param_dtype="float16", loss_scale_init=2.0**17, clip_norm=5.0,
+                       grad_accum=2)
+    (l0, n0, p0, s0), (l1, n1, p1, s1) = out
+    skipped = int((~np.isfinite(n1)).sum())
+    assert 0 < skipped < 8 and np.isfinite(n1[skipped:]).all()  # skipped first, then trains
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(n1, n0)
+    assert_bitwise(p1, p0)
+    assert_bitwise(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state))
+    assert float(s1.loss_scale.scale) == float(s0.loss_scale.scale) < 2.0**17
+    assert_placement(s1)
+
+
+def test_checkpoints_cross_offload_and_device_counts(tmp_path):
+    model = tiny_gpt()
+    batches = [gpt_batch(model.cfg, 8, s) for s in range(3)]
+
+    def engine(n, stage, offload):
+        return zj.Engine(model, adamw(), zj.make_mesh(data=n),
+                         zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload=offload))
+
+    on = engine(4, 3, "optimizer")
+    _, params, state = engine_run(on, batches[:2])
+    on.save(state, tmp_path / "on")
+
+    off = engine(2, 1, None)  # offload on -> off, N 4 -> 2
+    restored = off.restore(tmp_path / "on")
+    assert kinds((restored.master, restored.opt_state)) == {DEVICE}
+    assert_bitwise(off.params(restored), params)
+    state, m_on = on.step(state, batches[2])
+    restored, m_off = off.step(restored, batches[2])
+    np.testing.assert_allclose(float(m_off["loss"]), float(m_on["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m_off["grad_norm"]), float(m_on["grad_norm"]), rtol=1e-5)
+    assert_tree_close(off.params(restored), on.params(state), rtol=1e-5, atol=1e-6)
+    off.save(restored, tmp_path / "off")
+
+    back = engine(1, 2, "optimizer")  # offload off -> on, N 2 -> 1
+    again = back.restore(tmp_path / "off")
+    assert_placement(again)
+    assert_bitwise(back.params(again), off.params(restored))
+    assert int(again.step) == 3
+    again, m = back.step(again, batches[0])
+    assert np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"stage": 0, "offload": "optimizer"}, "offload='optimizer' needs stage 1, 2 or 3"),
+    ({"stage": 2, "offload": "cpu"}, r"offload='cpu' is not an offload mode; use one of "
+                                     r"\('optimizer',\) or None"),
+])
+def test_bad_offload_is_one_config_error(cfg, match):
+    with pytest.raises(zj.ConfigError, match=match):
+        zj.ZeroConfig(**cfg)
