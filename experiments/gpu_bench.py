@@ -27,7 +27,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # zerojax from this checkout, as bench.py gets it
 
 from zerojax.analysis.accounting import format_bytes  # noqa: E402 -- no jax backend started
-from zerojax.analysis.planning import gpt_family, largest  # noqa: E402
+from zerojax.analysis.largest import gpt_family, largest  # noqa: E402
 from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
 
 PARTS = ("bench", "overlap", "largest")
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--largest-variants", nargs="+", default=["optax", "stage3", OFFLOAD],
                    choices=["optax", *VARIANTS], help="variants whose largest shape is probed")
     p.add_argument("--largest-shapes", nargs="+", default=None,
-                   help="shapes to search, smallest first (default: planning.gpt_family(); "
+                   help="shapes to search, smallest first (default: largest.gpt_family(); "
                         "preset names work too)")
     p.add_argument("--largest-batch", type=int, default=None,
                    help="global batch of the largest-shape probes (default: one sequence per "

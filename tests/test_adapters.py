@@ -130,6 +130,22 @@ def reference_run(loss_fn, params):
     return np.array(losses), params
 
 
+def reference_with_state(loss_fn, params, stats, batches, opt):
+    """Plain single-device optax with model state: `loss_fn(params, stats, batch) -> (loss,
+    new stats)`; returns the final (params, stats)."""
+
+    @jax.jit
+    def step(params, stats, opt_state, b):
+        g, stats = jax.grad(loss_fn, has_aux=True)(params, stats, b)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state
+
+    opt_state = opt.init(params)
+    for b in batches:
+        params, stats, opt_state = step(params, stats, opt_state, b)
+    return params, stats
+
+
 # --------------------------------------------------------------------------- the linen model
 
 
@@ -404,22 +420,12 @@ def test_linen_batchnorm_matches_global_batch(stage):
     ref = ex.CNN()
     variables = ref.init(jax.random.key(0), sample)
     params, stats = variables["params"], variables["batch_stats"]
-    opt = optax.adam(1e-2)
+    def loss(p, stats, b):
+        logits, new = ref.apply({"params": p, "batch_stats": stats}, b["images"],
+                                train=True, mutable=["batch_stats"])
+        return xent(logits, b["labels"]), new["batch_stats"]
 
-    @jax.jit
-    def step(params, stats, opt_state, b):
-        def loss(p):
-            logits, new = ref.apply({"params": p, "batch_stats": stats}, b["images"],
-                                    train=True, mutable=["batch_stats"])
-            return xent(logits, b["labels"]), new["batch_stats"]
-
-        g, stats = jax.grad(loss, has_aux=True)(params)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state
-
-    opt_state = opt.init(params)
-    for b in batches:
-        params, stats, opt_state = step(params, stats, opt_state, b)
+    params, stats = reference_with_state(loss, params, stats, batches, optax.adam(1e-2))
     assert_tree_close(engine.params(state), params, rtol=RTOL, atol=1e-5)
     assert_tree_close(engine.model_state(state), {"batch_stats": stats}, rtol=RTOL, atol=1e-6)
 
@@ -491,21 +497,11 @@ def test_nnx_batchnorm_matches_global_batch():
         state, _ = engine.step(state, b)
 
     graph, params, stats = nnx.split(BNNet(None, nnx.Rngs(0)), nnx.Param, ...)
-    opt = tx()
+    def loss(p, stats, b):
+        model = nnx.merge(graph, p, jax.tree.map(lambda x: x, stats))  # of this trace
+        return bn_loss(model, b), nnx.state(model, nnx.BatchStat)
 
-    @jax.jit
-    def step(params, stats, opt_state, b):
-        def loss(p):
-            model = nnx.merge(graph, p, jax.tree.map(lambda x: x, stats))  # of this trace
-            return bn_loss(model, b), nnx.state(model, nnx.BatchStat)
-
-        g, stats = jax.grad(loss, has_aux=True)(params)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state
-
-    opt_state = opt.init(params)
-    for b in batches:
-        params, stats, opt_state = step(params, stats, opt_state, b)
+    params, stats = reference_with_state(loss, params, stats, batches, tx())
     assert_tree_close(engine.params(state), nnx.to_pure_dict(params), rtol=RTOL, atol=1e-5)
     model_state = engine.model_state(state)
     assert_tree_close(model_state, nnx.to_pure_dict(stats), rtol=RTOL, atol=1e-6)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax as zj
-from zerojax.analysis.commands import estimate_main, measure_main, parse_bytes, plan_main
+from zerojax.analysis.commands import estimate_main, measure_main, plan_main
+from zerojax.analysis.console import parse_bytes
 from zerojax.analysis.planning import Candidate, PlanResult, plan
 from zerojax.models import GPT
 
@@ -226,7 +227,7 @@ def test_measure_command_needs_a_fresh_process_for_more_devices(capsys, keep_xla
 # --- plan --largest -----------------------------------------------------------------------
 
 def test_activation_estimate_is_the_stated_formula():
-    from zerojax.analysis.planning import activation_bytes
+    from zerojax.analysis.largest import activation_bytes
 
     c = GPT.from_preset("1b").cfg  # T = 2048, d = 2048, 16 heads, 18 layers, V = 32000
     layer = 2 * 2048 * 2048 * (34 + 5 * 16 * 2048 / 2048)  # b = 2, bf16: 2 bytes a value
@@ -240,7 +241,7 @@ def test_activation_estimate_is_the_stated_formula():
 
 def test_largest_is_the_biggest_shape_whose_estimate_fits():
     from zerojax.analysis.accounting import state_estimate
-    from zerojax.analysis.planning import activation_bytes, estimate_fit, gpt_family, largest
+    from zerojax.analysis.largest import activation_bytes, estimate_fit, gpt_family, largest
 
     family = gpt_family()
     sizes = [GPT(c).num_params() for c in family.values()]
@@ -312,7 +313,7 @@ def test_plan_largest_bad_options_exit_2(argv, message, capsys):
 
 def test_largest_with_offload_is_the_estimate():
     from zerojax.analysis.accounting import state_estimate
-    from zerojax.analysis.planning import activation_bytes, gpt_family, largest
+    from zerojax.analysis.largest import activation_bytes, gpt_family, largest
 
     family = gpt_family()
     rows = largest(1, 80e9, offload="optimizer")

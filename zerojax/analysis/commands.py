@@ -12,8 +12,6 @@ import json
 import os
 import re
 import sys
-import time
-from typing import Any
 
 from zerojax.analysis.accounting import (
     STAGES,
@@ -23,87 +21,27 @@ from zerojax.analysis.accounting import (
     estimate_table,
     format_bytes,
 )
+from zerojax.analysis.console import (
+    Parser,
+    Progress,
+    ints_arg,
+    positive_arg,
+    print_assumptions,
+    print_table,
+    size_arg,
+    stages_arg,
+)
+from zerojax.analysis.largest import largest_main
 from zerojax.analysis.planning import LR, plan
 from zerojax.config import OFFLOADS
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show (None, flags off)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.required:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, **kw):
-        super().__init__(formatter_class=_Help, **kw)
-
-    def error(self, message):  # one clear line on stderr, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.I)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB' (1e9), '80GiB' (2**30), '8e10', '512MB' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 8e10")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    base = 1024 if unit.endswith("i") else 1000
-    power = "kmgtp".find(unit[:1]) + 1 if unit else 0
-    return int(float(m.group(1)) * base**power)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return int(text)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers") from None
-
-
-def _stages(text: str) -> tuple[int, ...]:
-    stages = STAGES if text == "all" else _ints(text)
-    if not set(stages) <= set(STAGES):
-        raise argparse.ArgumentTypeError(f"{text!r}: stages are 0, 1, 2, 3 (or all)")
-    return stages
-
-
-def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for key in rows[0] if rows else []:
-        table.add_column(key, justify="left" if key in ("reason", "config") else "right")
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    # Piped output is not wrapped at 80 columns.
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-
-
 def estimate_main(argv: list[str]) -> int:
     """`python -m zerojax estimate --params 7.5e9 --devices 64 [--json]`."""
-    p = _Parser(prog="zerojax estimate", description="ZeRO paper memory/comm per device")
+    p = Parser(prog="zerojax estimate", description="ZeRO paper memory/comm per device")
     p.add_argument("--params", type=float, required=True, help="parameter count Ψ, e.g. 7.5e9")
-    p.add_argument("--devices", type=_positive, required=True, help="data-parallel devices N")
-    p.add_argument("--replica", type=_positive, default=1, help="replica groups (hybrid)")
+    p.add_argument("--devices", type=positive_arg, required=True, help="data-parallel devices N")
+    p.add_argument("--replica", type=positive_arg, default=1, help="replica groups (hybrid)")
     p.add_argument("--param-bytes", type=float, default=2, help="bytes per compute param")
     p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element")
     p.add_argument("--optimizer-bytes", type=float, default=12,
@@ -135,11 +73,11 @@ def estimate_main(argv: list[str]) -> int:
         title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
         if a.offload:
             title += "; total: device bytes, host: master + moments in host memory"
-        _print_table(title, rows)
+        print_table(title, rows)
     return 0
 
 
-def _start_devices(p: _Parser, devices: int) -> None:
+def _start_devices(p: Parser, devices: int) -> None:
     """Simulates `devices` CPU devices; must run before the process touches a jax device."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                    os.environ.get("XLA_FLAGS", ""))
@@ -163,13 +101,13 @@ def _gpt_and_batch(preset: str, batch: int):
     return model, {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
 
 
-def _model_args(p: _Parser, model_required: bool = True) -> None:
+def _model_args(p: Parser, model_required: bool = True) -> None:
     from zerojax.models.gpt import PRESETS
 
     p.add_argument("--model", required=model_required, choices=sorted(PRESETS),
                    help="GPT preset" + ("" if model_required else " (required unless --largest)"))
-    p.add_argument("--devices", type=_positive, required=True, help="data-parallel devices")
-    p.add_argument("--batch", type=_positive, default=None,
+    p.add_argument("--devices", type=positive_arg, required=True, help="data-parallel devices")
+    p.add_argument("--batch", type=positive_arg, default=None,
                    help="global batch in sequences (default: devices x the largest grad_accum)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="compute dtype of params and gradients (master and moments: float32)")
@@ -202,66 +140,6 @@ def _assumptions(a, model, batch, **extra: str) -> dict[str, str]:
     }
 
 
-def _print_assumptions(title: str, facts: dict[str, str]) -> None:
-    from rich.console import Console
-
-    # stderr: stdout carries only the table or the JSON.
-    console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
-    console.print(title, soft_wrap=True)
-    for key, value in facts.items():
-        console.print(f"  {key + ':':<18}{value}", soft_wrap=True, markup=False)
-
-
-class _Progress:
-    """Which configuration is compiling, on stderr: a rich bar on a terminal, else a line each.
-
-    Used as `progress` of `plan` and by `measure`; a 7B step takes tens of seconds to compile.
-    """
-
-    def __init__(self, total: int):
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.console = Console(stderr=True, highlight=False)
-        self.start, self.total = time.monotonic(), total
-        self.bar = None
-        if self.console.is_terminal:
-            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                MofNCompleteColumn(), TimeElapsedColumn(), console=self.console,
-                                transient=True)
-            self.task = self.bar.add_task("starting", total=total)
-            self.bar.start()
-
-    def __call__(self, label: str, phase: str, index: int, total: int | None = None) -> None:
-        if total is not None and total != self.total:  # the planner added offload candidates
-            self.total = total
-            if self.bar is not None:
-                self.bar.update(self.task, total=total)
-        if phase == "done":
-            if self.bar is not None:
-                self.bar.advance(self.task)
-            return
-        text = f"{label}: {phase} {index}/{self.total}"
-        if self.bar is not None:
-            self.bar.update(self.task, description=text)
-        else:
-            self.console.print(f"{text} ({time.monotonic() - self.start:.0f} s)", soft_wrap=True,
-                               markup=False)
-
-    def close(self) -> float:
-        """Stops the bar; returns the seconds since the start."""
-        if self.bar is not None:
-            self.bar.stop()
-        return time.monotonic() - self.start
-
-
 def _label(stage: int, remat: bool, accum: int, offload: str | None = None) -> str:
     return (f"stage {stage}{' + offload' if offload else ''}, remat {'on' if remat else 'off'}, "
             f"accum {accum}")
@@ -269,13 +147,13 @@ def _label(stage: int, remat: bool, accum: int, offload: str | None = None) -> s
 
 def measure_main(argv: list[str]) -> int:
     """`python -m zerojax measure --model 7b --devices 64 --stage all [--json]`."""
-    p = _Parser(prog="zerojax measure", description="memory/comm of compiled steps")
+    p = Parser(prog="zerojax measure", description="memory/comm of compiled steps")
     _model_args(p)
-    p.add_argument("--stage", default="all", type=_stages, help="all, one stage, or e.g. 0,3")
-    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
+    p.add_argument("--stage", default="all", type=stages_arg, help="all, one stage, or e.g. 0,3")
+    p.add_argument("--grad-accum", type=positive_arg, default=1, help="micro-batches per step")
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in backward")
-    p.add_argument("--memory", type=_size, default=None, help="mark what fits, e.g. 80GB")
+    p.add_argument("--memory", type=size_arg, default=None, help="mark what fits, e.g. 80GB")
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="keep the optimizer state in host memory (stages 1-3); the table "
                         "splits device and host bytes")
@@ -295,8 +173,8 @@ def measure_main(argv: list[str]) -> int:
     facts = _assumptions(a, model, batch, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
         f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")))
-    _print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
-    results, progress = [], _Progress(len(a.stage))
+    print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
+    results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
                          grad_accum=a.grad_accum, offload=a.offload)
@@ -339,7 +217,7 @@ def measure_main(argv: list[str]) -> int:
             row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
         rows.append(row)
     n = results[0].num_params if results else 0
-    _print_table(f"{a.model} ({n:,} params), {a.devices} devices, per device; state formula "
+    print_table(f"{a.model} ({n:,} params), {a.devices} devices, per device; state formula "
                  f"excludes grads (they live in temp); sent: bytes per step in "
                  f"{a.param_dtype}, compiled: as this backend sends them"
                  + ("; split: device/host peak measured by the compiler or derived from the "
@@ -350,28 +228,28 @@ def measure_main(argv: list[str]) -> int:
 def plan_main(argv: list[str]) -> int:
     """`python -m zerojax plan --model 7b --devices 64 --memory 80GB [--json]`; with
     `--largest` instead of `--model`: the largest GPT per stage, estimated."""
-    p = _Parser(prog="zerojax plan", description="the cheapest configuration that fits")
+    p = Parser(prog="zerojax plan", description="the cheapest configuration that fits")
     _model_args(p, model_required=False)
-    p.add_argument("--memory", type=_size, required=True, help="per device, e.g. 80GB")
+    p.add_argument("--memory", type=size_arg, required=True, help="per device, e.g. 80GB")
     p.add_argument("--largest", action="store_true",
                    help="instead: the largest GPT shape that fits per stage and remat, "
                         "estimated (nothing compiled; --batch is the global batch)")
-    p.add_argument("--stages", type=_stages, default="all", help="all or e.g. 0,3")
+    p.add_argument("--stages", type=stages_arg, default="all", help="all or e.g. 0,3")
     p.add_argument("--remat", choices=("both", "on", "off"), default="both",
                    help="recompute each layer in backward: try both, or only on/off")
-    p.add_argument("--grad-accum", type=_ints, default="1,2,4",
+    p.add_argument("--grad-accum", type=ints_arg, default="1,2,4",
                    help="micro-batch counts to try (the global batch stays the same)")
     p.add_argument("--offload", choices=("auto", "off"), default="auto",
                    help="auto: try stages 1-3 with the optimizer state in host memory only if "
                         "nothing fits without (--largest: add offload columns); off: never")
-    p.add_argument("--host-memory", type=_size, default=None,
+    p.add_argument("--host-memory", type=size_arg, default=None,
                    help="--largest: host memory per device that offload may use (default: "
                         "not limited)")
     a = p.parse_args(argv)
     if min(a.grad_accum) < 1:
         p.error(f"--grad-accum {a.grad_accum}: every value must be >= 1")
     if a.largest:
-        return _largest_main(p, a)
+        return largest_main(p, a)
     if a.model is None:
         p.error("the following arguments are required: --model (or --largest)")
     _start_devices(p, a.devices)
@@ -391,8 +269,8 @@ def plan_main(argv: list[str]) -> int:
         "offload": "stages 1-3 with the optimizer state in host memory are tried only if "
                    "nothing fits without (peak: device memory)" if a.offload == "auto" else
                    "off"})
-    _print_assumptions(f"zerojax plan: {a.model} on {a.devices} devices", facts)
-    progress = _Progress(count)
+    print_assumptions(f"zerojax plan: {a.model} on {a.devices} devices", facts)
+    progress = Progress(count)
     try:
         result = plan(model, a.devices, a.memory, batch, param_dtype=a.param_dtype,
                       stages=a.stages, remat=remat, grad_accum=a.grad_accum,
@@ -418,7 +296,7 @@ def plan_main(argv: list[str]) -> int:
              "sent/step": fmt(c.comm_bytes), "launches": c.launches or "-",
              "fits": "yes" if c.fits else "no", "chosen": "<==" if c.chosen else "",
              "reason": c.reason} for c in result.candidates]
-    _print_table(f"{a.model} on {a.devices} devices with {format_bytes(a.memory)} each", rows)
+    print_table(f"{a.model} on {a.devices} devices with {format_bytes(a.memory)} each", rows)
     for note in result.notes():
         print(f"note: {note}")
     if result.best is None:
@@ -429,104 +307,4 @@ def plan_main(argv: list[str]) -> int:
     print(f"chosen: stage {b.stage}{host}, remat {'on' if b.remat else 'off'}, grad_accum "
           f"{b.grad_accum}: peak {format_bytes(b.peak_bytes)}, "
           f"sends {format_bytes(b.comm_bytes)} per step per device")
-    return 0
-
-
-def _largest_main(p: _Parser, a) -> int:
-    """`plan --largest`: per stage and remat, the largest shape of `gpt_family()` whose estimated
-    peak fits `--memory`, from formulas alone."""
-    from zerojax.analysis.planning import FAMILY_PRESETS, activation_bytes, gpt_family, largest
-
-    if a.model is not None:
-        p.error(f"--largest searches GPT shapes itself; drop --model {a.model}")
-    batch = a.batch or a.devices
-    if batch % a.devices:
-        p.error(f"--batch {batch} is not divisible by --devices {a.devices}; use a multiple")
-    b = batch // a.devices
-    remat = {"both": (True, False), "on": (True,), "off": (False,)}[a.remat]
-    family = gpt_family()
-    kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
-              family=family)
-    try:
-        rows = largest(a.devices, a.memory, **kw)
-        off = {} if a.offload == "off" else {
-            (r["stage"], r["remat"]): r for r in largest(
-                a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory)}
-    except EstimateError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
-    dtype = a.param_dtype
-    sample = activation_bytes(family["1b"], b, dtype, True)
-    facts = {
-        "memory budget": f"{format_bytes(a.memory)} per device for the estimated peak",
-        "devices": f"{a.devices} (data parallel; stages 1-3 shard over all of them)",
-        "global batch": f"{batch} sequence{'s' if batch > 1 else ''} ({b} per device), "
-                        "no grad_accum",
-        "sequence length": ", ".join(sorted({str(c.seq_len) for c in family.values()})),
-        "params and grads": f"{dtype}",
-        "master params": "float32" if dtype != "float32" else
-                         "the float32 params themselves in stages 0 and 3",
-        "optimizer": "AdamW, moments in float32 (state: zerojax.analysis.accounting."
-                     "state_estimate, grads included)",
-        "activations": "Korthikanti et al. 2022 per layer, b·T·d·(34 + 5·a·T/d) at 2 bytes "
-                       "(scaled to the dtype; attention scores counted, as XLA's attention "
-                       "keeps them), the logits in compute dtype + float32 log-softmax and "
-                       f"gradient (1b with remat: {format_bytes(sample['total'])})",
-        "remat": "on: each layer keeps its input, one layer recomputed at a time; off: every "
-                 "layer keeps all",
-        "stage 3": "+ one gathered unit (the largest layer or vocabulary table) and its "
-                   "gradient in compute dtype",
-        "shapes": f"{len(family)} GPT shapes: the presets {', '.join(FAMILY_PRESETS)} and "
-                  f"GPT-3's table and neighbours (d_ff = 4d); see planning.gpt_family",
-        "not modelled": "fragmentation, XLA's extra temps, collective buffers: keep a margin "
-                        "(zerojax measure compiles the step and reads the real peak)",
-    }
-    if off:
-        facts["offload"] = (
-            "the + offload columns: stages 1-3 with offload='optimizer': the device holds the "
-            "compute params, gradients and activations (peak); the host holds the float32 "
-            "master and Adam moments, 12 bytes x Ψ/N per device, "
-            + (f"at most {format_bytes(a.host_memory)}" if a.host_memory else "not limited")
-            + "; each step the gradient shard goes down and the compute shard comes up")
-    _print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
-                       f"{format_bytes(a.memory)} each", facts)
-    if a.json:
-        def both(r):
-            return {"fits": r["fits"] and r["fits"].as_dict(),
-                    "next": r["next"] and r["next"].as_dict()}
-
-        out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
-                "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
-               for r in rows]
-        print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
-                          "param_dtype": dtype, "assumptions": facts, "largest": out},
-                         indent=1))
-        return 0 if any(r["fits"] for r in [*rows, *off.values()]) else 1
-    fmt = format_bytes
-    table = []
-    for r in rows:
-        f, nx = r["fits"], r["next"]
-        table.append({
-            "stage": r["stage"], "remat": "on" if r["remat"] else "off",
-            "largest": f.name if f else "none",
-            "params": f"{f.num_params / 1e9:.2f}B" if f else "-",
-            "peak": fmt(f.peak) if f else "-", "state": fmt(f.state) if f else "-",
-            "activations": fmt(f.activations) if f else "-",
-            "stage-3 unit": fmt(f.gathered) if f and f.gathered else "-",
-            "next larger": f"{nx.name} ({nx.num_params / 1e9:.2f}B): {fmt(nx.peak)}"
-                           if nx else "-"})
-        if off:
-            o = off.get((r["stage"], r["remat"]))
-            fo = o and o["fits"]
-            table[-1].update({
-                "+ offload": fo.name if fo else "none" if o else "-",
-                "offload params": f"{fo.num_params / 1e9:.2f}B" if fo else "-",
-                "device peak": fmt(fo.peak) if fo else "-",
-                "host": fmt(fo.host) if fo else "-",
-                "host<->device": fmt(fo.transfer) if fo else "-"})
-    _print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
-                 f"each (estimated)", table)
-    if not any(r["fits"] for r in [*rows, *off.values()]):
-        print(f"nothing fits: the smallest shape, {next(iter(family))}, needs more than "
-              f"{format_bytes(a.memory)}", file=sys.stderr)
-        return 1
     return 0

@@ -1,7 +1,6 @@
 """The planner: the configuration with the least communication that fits, over stage × remat ×
 grad_accum (and optimizer offload, searched only when nothing fits without it), each candidate
-measured from its compiled step; and `largest`, the biggest GPT shape whose estimated peak fits,
-per stage, with or without offload, from formulas alone (commands: commands.py)."""
+measured from its compiled step (`largest`: largest.py; the commands: commands.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ from typing import Any
 
 from zerojax.analysis.accounting import (
     STAGES,
-    EstimateError,
     format_bytes,
-    state_estimate,
 )
 
 TIE = 0.01  # communication within 1% of the least counts as equal
@@ -211,129 +208,3 @@ def _choose(result: PlanResult) -> PlanResult:
 
 
 # --- The largest GPT that fits, from the estimator (nothing compiled) ---------------------------
-
-# GPT-3's shapes (Brown et al. 2020, table 2.1; 16 heads of 128 for 1.3B, whose table row is not
-# a whole head width) with d_ff = 4d, beside the presets; vocabulary and sequence length of the
-# 1b/7b presets. Depths and widths of GPT-NeoX-20B and LLaMA-33B/65B (with d_ff = 4d), and a
-# 4B between 2.7B and 6.7B, fill the gaps. (GPT-3 6.7B is the 7b preset.)
-_GPT3_SHAPES = {"gpt3-125m": (12, 768, 12), "gpt3-350m": (24, 1024, 16),
-                "gpt3-760m": (24, 1536, 16), "gpt3-1.3b": (24, 2048, 16),
-                "gpt3-2.7b": (32, 2560, 32), "gpt-4b": (36, 3072, 24),
-                "gpt3-13b": (40, 5120, 40), "neox-20b": (44, 6144, 48),
-                "gpt-33b": (60, 6656, 52), "gpt-65b": (80, 8192, 64),
-                "gpt3-175b": (96, 12288, 96)}
-FAMILY_PRESETS = ("gpt2-small", "1b", "7b")
-
-
-def gpt_family(vocab_size: int = 32000, seq_len: int = 2048) -> dict[str, Any]:
-    """The GPT shapes `largest` searches (name -> `GPTConfig`), fewest params first: the presets
-    of `FAMILY_PRESETS` and GPT-3's table (with `vocab_size` and `seq_len`)."""
-    from zerojax.models.gpt import GPT, PRESETS, GPTConfig
-
-    shapes = {name: PRESETS[name] for name in FAMILY_PRESETS}
-    for name, (layers, d, heads) in _GPT3_SHAPES.items():
-        shapes[name] = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, d_model=d,
-                                 n_heads=heads, n_layers=layers, d_ff=4 * d)
-    return dict(sorted(shapes.items(), key=lambda kv: GPT(kv[1]).num_params()))
-
-
-def _itemsize(param_dtype: str) -> int:
-    import numpy as np
-
-    from zerojax.precision import DTYPES
-
-    if param_dtype not in DTYPES:
-        raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
-                            f"{sorted(DTYPES)}")
-    return np.dtype(DTYPES[param_dtype]).itemsize
-
-
-def activation_bytes(cfg, batch_per_device: int, param_dtype: str = "bfloat16",
-                     remat: bool = True) -> dict[str, float]:
-    """Estimated per-device activation bytes of one GPT training step, by part.
-
-    One layer's activations: Korthikanti et al. 2022's `b·T·d·(34 + 5·a·T/d)` bytes for 2-byte
-    values (scaled to `param_dtype`). It counts the T×T attention scores, which XLA's attention
-    keeps and cuDNN's flash attention does not, and dropout masks GPT does not have: an upper
-    bound. With remat every layer keeps only its input and one layer is recomputed at a time;
-    without, every layer keeps all of its activations. The head adds the logits in compute
-    dtype and their float32 log-softmax and gradient.
-    """
-    size = _itemsize(param_dtype)
-    if isinstance(batch_per_device, bool) or not isinstance(batch_per_device, int) \
-            or batch_per_device < 1:
-        raise EstimateError(f"batch_per_device={batch_per_device!r} must be an integer >= 1")
-    b, T, d, L = batch_per_device, cfg.seq_len, cfg.d_model, cfg.n_layers
-    layer = b * T * d * (34 + 5 * cfg.n_heads * T / d) * size / 2
-    layers = L * b * T * d * size + layer if remat else L * layer
-    logits = b * T * cfg.vocab_size * (size + 8)
-    return {"layers": layers, "logits": logits, "total": layers + logits}
-
-
-@dataclasses.dataclass(frozen=True)
-class Fit:
-    """The estimated per-device peak of one GPT shape at one stage: model state (params, grads,
-    optimizer: `state_estimate`) + activations (`activation_bytes`) + stage 3's gathered unit
-    (its compute params and their gradient, for the largest unit). With offload, `state` and
-    `peak` are device bytes and the master and moments are `host` bytes."""
-
-    name: str
-    num_params: int
-    stage: int
-    remat: bool
-    state: float
-    activations: float
-    gathered: float
-    peak: float
-    offload: str | None = None
-    host: float = 0.0  # offload: master + moments in host memory, per device
-    transfer: float = 0.0  # offload: host<->device bytes per step, per device
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int,
-                 param_dtype: str = "bfloat16", remat: bool = True,
-                 offload: str | None = None) -> Fit:
-    """`Fit` of the GPT `cfg` (called `name`) on `devices` at `stage`."""
-    from zerojax.models.gpt import GPT
-
-    psi = GPT(cfg).num_params()
-    mem = state_estimate(psi, devices, stage, param_dtype, offload=offload)
-    state = mem.total
-    act = activation_bytes(cfg, batch_per_device, param_dtype, remat)["total"]
-    # Stage 3 gathers one unit at a time: the largest is a layer or the vocabulary table.
-    unit = max(cfg.layer_params, cfg.vocab_size * cfg.d_model)
-    gathered = 2 * unit * _itemsize(param_dtype) if stage == 3 and devices > 1 else 0
-    return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
-               mem.host, mem.transfer)
-
-
-def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
-            param_dtype: str = "bfloat16", stages=STAGES, remat=(True, False),
-            family: dict[str, Any] | None = None, offload: str | None = None,
-            host_memory: float | None = None) -> list[dict[str, Any]]:
-    """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
-    estimated peak fits `device_memory`, and the next larger one, which does not.
-
-    With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
-    device memory; `host_memory`, if given, must also hold each device's host bytes.
-    Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None}. Arithmetic
-    only.
-    """
-    family = gpt_family() if family is None else family
-    rows = []
-    for stage, rm in itertools.product(stages, remat):
-        if offload is not None and stage == 0:
-            continue
-        fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload)
-                for n, c in family.items()]
-        ok = [f for f in fits if f.peak <= device_memory
-              and (host_memory is None or f.host <= host_memory)]
-        best = max(ok, key=lambda f: f.num_params) if ok else None
-        bigger = [f for f in fits if f not in ok
-                  and (best is None or f.num_params > best.num_params)]
-        rows.append({"stage": stage, "remat": rm, "offload": offload, "fits": best,
-                     "next": min(bigger, key=lambda f: f.num_params) if bigger else None})
-    return rows
