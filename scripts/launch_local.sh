@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs `python -m zerojax train` as P processes on this machine, talking over loopback
-# (CPU devices, gloo collectives): the same program a multi-host GPU job runs.
+# Runs `zerojax train` (with the project's .venv python) as P processes on this machine, over
+# loopback (CPU devices, gloo collectives): the same program a multi-host GPU job runs.
 #
 #   usage: scripts/launch_local.sh P DEVICES_PER_PROCESS [train options...]
 #   e.g.   scripts/launch_local.sh 2 2 --model nano --steps 100 --out runs/two-procs

@@ -11,7 +11,7 @@
 # Each process drives all GPUs of its host; --out must be a directory every host can write
 # (a shared file system): each host writes its own checkpoint shards, host 0 the metrics.
 #
-# Options are passed to `python -m zerojax train` and override the defaults below. PYTHON
+# Options are passed to `zerojax train` and override the defaults below. PYTHON
 # defaults to the project's .venv/bin/python when it exists, else python3.
 # Not runnable on the CPU machine this repository is developed on.
 set -euo pipefail
