@@ -19,6 +19,8 @@ import tyro
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
 from zerojax.models import PRESETS
 
+CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
+
 # Options that change a run's trajectory (the data order or the updates), unlike devices,
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
@@ -217,7 +219,7 @@ def check_run_dir(cfg: TrainConfig) -> None:
     directory already holds."""
     out = Path(cfg.out)
     _make_writable_dir(out)
-    ckpt = out / "checkpoints"
+    ckpt = out / CHECKPOINTS
     if ckpt.exists() and not ckpt.is_dir():
         raise UsageError(f"{str(ckpt)!r} is a file, not a checkpoint directory; move it away")
     steps = checkpoint_steps(ckpt)

@@ -12,6 +12,7 @@ import numpy as np
 import tyro
 
 from zerojax.app.options import (
+    CHECKPOINTS,
     UsageError,
     checkpoint_steps,
     intact_hint,
@@ -64,8 +65,8 @@ def sample(args: SampleConfig) -> str:
         raise UsageError(f"--tokens={args.tokens}, --temperature={args.temperature} and "
                          f"--seed={args.seed} must be non-negative (and finite)")
     directory = Path(args.checkpoint)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
+    if (directory / CHECKPOINTS).is_dir():
+        directory = directory / CHECKPOINTS
     if not checkpoint_steps(directory):
         raise UsageError(f"no checkpoint in {str(directory)!r}; pass a train --out directory")
     try:

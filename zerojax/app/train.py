@@ -19,6 +19,7 @@ import numpy as np
 
 from zerojax.app.data import DataError, eval_batches
 from zerojax.app.options import (
+    CHECKPOINTS,
     TRAJECTORY,
     TrainConfig,
     UsageError,
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         if jax.process_count() > 1:
-            watch = PeerWatch(jax.process_count(), Path(cfg.out) / "checkpoints")
+            watch = PeerWatch(jax.process_count(), Path(cfg.out) / CHECKPOINTS)
         return train(cfg, data, watch)
     except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
         return _fail(e, 2)
@@ -171,7 +172,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     t_start = time.perf_counter()
     pi, pc = jax.process_index(), jax.process_count()
     lead = pi == 0
-    out, ckpt = Path(cfg.out), Path(cfg.out) / "checkpoints"
+    out, ckpt = Path(cfg.out), Path(cfg.out) / CHECKPOINTS
     console = report.make_console(quiet=not lead or cfg.quiet)
     devices = select_devices(cfg.devices)
     check_split(cfg, len(devices))

@@ -69,7 +69,7 @@ def _saver(engine):
         if engine.config.offload is not None:
             state = on_device(state)
         tree = {"params": layout.from_flat(state.master),
-                "opt_state": _map_opt(engine.optimizer, layout, unpad, state.opt_state),
+                "opt_state": map_opt_params(engine.optimizer, layout, unpad, state.opt_state),
                 "step": state.step,
                 "loss_scale": {"scale": state.loss_scale.scale,
                                "good_steps": state.loss_scale.good_steps},
@@ -83,11 +83,6 @@ def _saver(engine):
     _SAVERS[engine] = (engine.plan, jax.jit(logical, out_shardings=(shardings, None)), dtypes)
     return _SAVERS[engine][1:]
 
-
-
-def _map_opt(optimizer, layout: Layout, f, opt_state, non_param=lambda v: v):
-    """`f(leaf_value, LeafSpec)` over the optimizer state's param-like leaves."""
-    return map_opt_params(optimizer, layout, f, opt_state, non_param)
 
 
 def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
@@ -107,7 +102,7 @@ def _abstract(engine, layout: Layout):
         leaf.shape, dtype, sharding=_logical_sharding(mesh, leaf.shape, leaf.stacked))
     params = layout.unflatten(sds(leaf) for leaf in layout.leaves)
     opt = jax.eval_shape(engine.optimizer.init, params)
-    opt = _map_opt(engine.optimizer, layout, lambda x, leaf: sds(leaf, x.dtype), opt,
+    opt = map_opt_params(engine.optimizer, layout, lambda x, leaf: sds(leaf, x.dtype), opt,
                    lambda v: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                        x.shape, x.dtype, sharding=replicated), v))
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
@@ -368,7 +363,7 @@ def restore(engine, directory, step: int | None = None):
 
     def build(tree):
         st = engine._to_state(tree["params"], tree["rng"], tree.get("model_state"))
-        opt = _map_opt(engine.optimizer, engine.layout,
+        opt = map_opt_params(engine.optimizer, engine.layout,
                        lambda x, leaf: pad_flat(x, leaf, engine.layout.shards), tree["opt_state"])
         ls = LossScale(**tree["loss_scale"]) if saved_scale else st.loss_scale
         return st._replace(step=tree["step"], opt_state=opt, loss_scale=ls)
