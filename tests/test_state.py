@@ -364,28 +364,24 @@ def test_non_scalar_aux_is_named():
         engine(StatsInAux(), n=2, stage=1).init(jax.random.key(0), BATCHES[0])
 
 
-def test_mask_functions_go_by_names_not_shapes():
-    """A labels function over names trains as its pytree does (it sees the flat shards, whose
-    names are the params'); one over shapes, or one that fails, gets one clear error."""
+def test_mask_functions_see_logical_params():
+    """Mask and label functions get the logical params, as in plain optax: one over names and
+    one over shapes train exactly as the pytrees they give; one that fails is named."""
     labels = lambda params: {k: "a" if k == "w" else "b" for k in params}
     tx = lambda labels: optax.multi_transform({"a": optax.adam(1e-2), "b": optax.sgd(0.1)},
                                               labels)
     logical = jax.eval_shape(Norm().init, jax.random.key(0))
-    states = []
-    for lab in (labels, labels(logical)):
-        eng = engine(Norm(), n=2, stage=3, optimizer=tx(lab))
-        state, _ = run(eng, eng.init(jax.random.key(0), BATCHES[0]), BATCHES[:2])
-        states.append(eng.params(state))
-    assert_bitwise(*states)
-    by_shape = optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
-    with pytest.raises(zj.ConfigError, match=r"gives other results.*pytree built from the "
-                                             r"logical params"):
-        engine(Norm(), n=2, stage=3, optimizer=by_shape).init(jax.random.key(0), BATCHES[0])
+    by_shape = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    for a, b in [(tx(labels), tx(labels(logical))),
+                 (optax.adamw(1e-2, weight_decay=0.5, mask=by_shape),
+                  optax.adamw(1e-2, weight_decay=0.5, mask=by_shape(logical)))]:
+        states = []
+        for opt in (a, b):
+            eng = engine(Norm(), n=2, stage=3, optimizer=opt)
+            state, _ = run(eng, eng.init(jax.random.key(0), BATCHES[0]), BATCHES[:2])
+            states.append(eng.params(state))
+        assert_bitwise(*states)
     fails = optax.adamw(1e-3, mask=lambda p: {"w": True, "out": p["out"].kernel})
-    with pytest.raises(zj.ConfigError, match=r"failed on the engine's flat sharded params "
+    with pytest.raises(zj.ConfigError, match=r"optimizer's init failed on the model's params "
                                              r"\(AttributeError"):
         engine(Norm(), n=2, stage=1, optimizer=fails).init(jax.random.key(0), BATCHES[0])
-    # The fix the message names: a pytree built from the logical params.
-    mask = jax.tree.map(lambda x: x.ndim >= 2, logical)
-    engine(Norm(), n=2, stage=3, optimizer=optax.adamw(1e-3, mask=mask)).init(
-        jax.random.key(0), BATCHES[0])

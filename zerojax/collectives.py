@@ -52,6 +52,12 @@ def reduce_scatter_units(cts, leaves, n, dtype):
     return lax.split(g, [p.shape[1] for p in padded]) if len(padded) > 1 else [g]
 
 
+def vary(x, axes):
+    """Marks `x` as device-varying over `axes` (a type cast under check_vma, no data moved)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def barrier(x):
     # Keeps XLA from hoisting per-layer casts/gathers out of the loop (DESIGN §5, jax#23543).
     return lax.optimization_barrier(x)

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, ModelError
-from zerojax.mesh import batch_axes, check_batch, mesh_sizes, put_batch
+from zerojax.mesh import DATA, batch_axes, check_batch, mesh_sizes, put_batch
 from zerojax.partition import Layout, LeafSpec
-from zerojax.precision import DTYPES, init_loss_scale
+from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.step import (
     DEVICE,
     StepPlan,
@@ -26,10 +26,12 @@ from zerojax.step import (
     example_keys,
     local_eval,
     local_step,
+    on_device,
     split_loss,
     to_memory,
 )
 from zerojax.units import RecordingUnits, make_handles
+from zerojax.update import ShardedUpdate, StepUpdate, as_transformation, takes_value
 
 HOST_MEMORY = "pinned_host"  # where offload="optimizer" keeps master and optimizer state
 
@@ -46,9 +48,7 @@ class Engine:
             if not callable(getattr(model, name, None)):
                 raise ModelError(f"model {type(model).__name__} has no {name}() method; a "
                                  f"zerojax model defines init(rng) and loss(params, batch, units)")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise ConfigError(f"optimizer must be an optax.GradientTransformation, got "
-                              f"{type(optimizer).__name__}")
+        optimizer = as_transformation(optimizer)
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
         self.replica, self.data = mesh_sizes(mesh)
         self.axes = batch_axes(mesh)
@@ -111,7 +111,11 @@ class Engine:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
         stage0 = self.config.stage == 0
         layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data, replicated=stage0)
-        self.plan = StepPlan(self.model, self.optimizer, layout, self.config, self.axes,
+        cfg = self.config
+        how = StepUpdate(cfg.clip_norm, DTYPES[cfg.param_dtype] if cfg.offload else None,
+                         takes_value(self.optimizer))
+        update = ShardedUpdate(self.optimizer, layout, how)
+        self.plan = StepPlan(self.model, self.optimizer, update, layout, cfg, self.axes,
                              self.replica, self.data)
         self._step_fn = None
         self._eval_fn = None
@@ -129,24 +133,13 @@ class Engine:
         """PartitionSpecs of every state leaf."""
         layout, cfg = self.layout, self.config
         master = layout.specs()
-        opt = map_opt_params(self.optimizer, layout, lambda _, leaf: layout.spec(leaf),
-                             self._abstract_opt_state(), lambda _: P())
+        opt = self.plan.update.specs()
         compute = None
         if self.plan.stores_compute:
             compute = master if cfg.stage == 3 else layout.unflatten(P() for _ in layout.leaves)
         model_state = jax.tree.map(lambda _: P(), self._abstract_model_state())
         return TrainState(P(), master, opt, compute,
                           jax.tree.map(lambda _: P(), init_loss_scale(1.0)), P(), model_state)
-
-    def _abstract_opt_state(self):
-        """The optimizer state of the master params, abstractly, once its mask and labels
-        functions are known to treat the flat shards as they treat the logical params."""
-        layout = self.layout
-        logical = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
-                                   for leaf in layout.leaves)
-        master = self.abstract_master()
-        _check_mask_functions(self.optimizer, logical, master)
-        return jax.eval_shape(self.optimizer.init, master)
 
     def _abstract_model_state(self):
         """The model state as ShapeDtypeStructs (None for a model without `init_state`)."""
@@ -188,7 +181,7 @@ class Engine:
             dtype = DTYPES[cfg.param_dtype]
             src = master if cfg.stage == 3 else params
             compute = jax.tree.map(lambda x: x.astype(dtype), src)
-        return TrainState(jnp.zeros((), jnp.int32), master, self.optimizer.init(master), compute,
+        return TrainState(jnp.zeros((), jnp.int32), master, self.plan.update.init(params), compute,
                           init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state))
 
     def _init_state(self, key):
@@ -283,6 +276,71 @@ class Engine:
         """The logical model state (None for a model without `init_state`)."""
         return state.model_state
 
+    def optimizer_state(self, state: TrainState) -> Any:
+        """The optimizer state as single-device optax has it for the logical params (e.g. for
+        `optax.contrib.schedule_free_eval_params`)."""
+        return jax.jit(lambda s: self.logical(s)["opt_state"])(state)
+
+    # ---------------------------------------------------------------- the logical layout
+
+    def logical(self, state: TrainState) -> dict:
+        """The state in the logical layout (traceable): {"params", "opt_state", "step",
+        "loss_scale": {"scale", "good_steps"}, "rng"[, "model_state"]}, as checkpoints hold
+        it: original shapes, no padding, any stage and N."""
+        if self.config.offload is not None:
+            state = on_device(state)
+        tree = {"params": self.layout.from_flat(state.master),
+                "opt_state": self.plan.update.logical(state.opt_state),
+                "step": state.step,
+                "loss_scale": {"scale": state.loss_scale.scale,
+                               "good_steps": state.loss_scale.good_steps},
+                "rng": state.rng}
+        if state.model_state is not None:
+            tree["model_state"] = state.model_state
+        return tree
+
+    def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None) -> dict:
+        """`logical`'s tree as ShapeDtypeStructs with shardings on this engine's mesh (large
+        leaves 1/N per device), for the units `leaves` (default: this engine's)."""
+        if leaves is None:
+            leaves, treedef = self.layout.leaves, self.layout.treedef
+        mesh, replicated = self.mesh, NamedSharding(self.mesh, P())
+        n = dict(mesh.shape)[DATA]
+        sds = lambda shape, dtype, stacked=False: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked)
+            if math.prod(shape) >= n else replicated)
+        params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf.stacked)
+                                              for leaf in leaves])
+        opt = jax.tree.map(lambda x: sds(x.shape, x.dtype),
+                           jax.eval_shape(self.optimizer.init, params))
+        whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+        tree = {"params": params, "opt_state": opt, "step": whole(jnp.zeros((), jnp.int32)),
+                "loss_scale": jax.tree.map(whole, {"scale": jnp.zeros((), jnp.float32),
+                                                   "good_steps": jnp.zeros((), jnp.int32)}),
+                "rng": whole(_abstract_key_data())}
+        model_state = self._abstract_model_state()
+        if model_state is not None:
+            tree["model_state"] = jax.tree.map(whole, model_state)
+        return tree
+
+    def from_logical(self, tree: dict, leaves: tuple[LeafSpec, ...] | None = None,
+                     treedef=None, *, loss_scale: bool = True) -> TrainState:
+        """The TrainState of a `logical` tree on this engine's mesh and stage, adopting the
+        units `leaves` (e.g. as a checkpoint records them); `loss_scale=False` starts the loss
+        scale afresh."""
+        if leaves is not None and (self.plan is None or (self.layout.leaves,
+                                                         self.layout.treedef) != (leaves,
+                                                                                  treedef)):
+            self.set_units(leaves, treedef)
+
+        def build(tree):
+            st = self._to_state(tree["params"], tree["rng"], tree.get("model_state"))
+            ls = LossScale(**tree["loss_scale"]) if loss_scale else st.loss_scale
+            return st._replace(step=tree["step"], loss_scale=ls,
+                               opt_state=self.plan.update.stored(tree["opt_state"]))
+
+        return jax.jit(build, out_shardings=self.state_shardings())(tree)
+
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
              keep: int | None = None, extra: dict | None = None) -> int:
         """Saves `state` in the logical layout (any stage, any N); see `zerojax.checkpoint.save`."""
@@ -295,80 +353,14 @@ class Engine:
         return checkpoint.restore(self, directory, step)
 
 
-def map_opt_params(optimizer, layout: Layout, f, opt_state, non_param=lambda v: v):
-    """`f(x, LeafSpec)` over the optimizer state's param-like leaves (MaskedNodes kept),
-    `non_param(x)` over the others."""
-    masked = lambda x: isinstance(x, optax.MaskedNode)
-    try:
-        return optax.tree_map_params(
-            optimizer, lambda x, leaf: x if masked(x) else f(x, leaf), opt_state,
-            layout.unflatten(layout.leaves), transform_non_params=non_param, is_leaf=masked)
-    except Exception:  # optax calls init on a placeholder, which a labels function may not
-        pass  # take (e.g. a dict comprehension over the params): match the leaves by path.
-    params = jax.tree.flatten_with_path(layout.unflatten(layout.leaves))[0]
-    by_path = {tuple(p): leaf for p, leaf in params}
-
-    def one(path, x):
-        if masked(x):
-            return x
-        for i in range(len(path) + 1):  # a copy of the params ends in a param's path
-            leaf = by_path.get(tuple(path[i:]))
-            if leaf is not None and jnp.shape(x) in (layout.flat_shape(leaf), leaf.shape):
-                return f(x, leaf)
-        return non_param(x)
-
-    return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=masked)
-
-
-def _mask_functions(optimizer) -> list:
-    """The masks and labels given as functions (optax.masked's `mask`, multi_transform's
-    `param_labels`), found in the closures of the optimizer's functions."""
-    out, seen, todo = [], set(), [optimizer]
-    while todo:
-        f = todo.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        if isinstance(f, optax.GradientTransformation):
-            todo += [f.init, f.update]
-        elif isinstance(f, (tuple, list)):
-            todo += list(f)
-        elif isinstance(f, dict):
-            todo += list(f.values())
-        elif getattr(f, "__code__", None) is not None and f.__closure__:
-            for name, cell in zip(f.__code__.co_freevars, f.__closure__):
-                try:
-                    v = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if name in ("mask", "param_labels") and callable(v) and \
-                        not isinstance(v, optax.GradientTransformation):
-                    out.append(v)
-                elif callable(v) or isinstance(v, (tuple, list, dict)):
-                    todo.append(v)
-    return out
-
-
-def _check_mask_functions(optimizer, logical, master) -> None:
-    """The engine hands the optimizer flat shards; a mask or labels function must give on
-    them what it gives on the logical params (it may go by names, not by shapes)."""
-    fix = ("pass the mask or labels as a pytree built from the logical params instead, e.g. "
-           "mask=fn(jax.eval_shape(model.init, jax.random.key(0)))")
-    for fn in _mask_functions(optimizer):
-        name = getattr(fn, "__qualname__", repr(fn))
-        try:
-            want, got = fn(logical), fn(master)
-            same = jax.tree.structure(want) == jax.tree.structure(got) and all(
-                np.array_equal(np.asarray(a), np.asarray(b))
-                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
-        except Exception as e:  # whatever a user's function raises
-            raise ConfigError(f"the optimizer's mask/labels function {name} failed on the "
-                              f"engine's flat sharded params ({type(e).__name__}: {e}); "
-                              f"{fix}") from None
-        if not same:
-            raise ConfigError(f"the optimizer's mask/labels function {name} gives other "
-                              f"results on the engine's flat sharded params than on the logical "
-                              f"params (does it read shapes?); {fix}")
+def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
+    """Over "data" on the unit's first divisible axis (a local reshape of the flat shard)."""
+    n = dict(mesh.shape)[DATA]
+    first = 1 if stacked else 0
+    for a in [*range(first, len(shape)), *range(first)]:
+        if n > 1 and shape[a] % n == 0:
+            return NamedSharding(mesh, P(*[DATA if i == a else None for i in range(len(shape))]))
+    return NamedSharding(mesh, P())
 
 
 def _as_arrays(tree):

@@ -20,22 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.experimental.compute_on import compute_on
 
-from zerojax.collectives import gather_layer, gather_units
+from zerojax.collectives import gather_layer, gather_units, vary
 from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, LossScale, update_loss_scale
 from zerojax.units import ShardUnits, make_handles
+from zerojax.update import DEVICE, HOST, ShardedUpdate, to_memory
 
 
 class TrainState(NamedTuple):
@@ -58,6 +57,7 @@ class StepPlan:
 
     model: Any
     optimizer: optax.GradientTransformation
+    update: ShardedUpdate  # the optimizer over this layout's shards (update.py)
     layout: Layout  # over the "data" axis (shards = 1 in stage 0)
     config: ZeroConfig
     axes: tuple[str, ...]  # all mesh axes, ("replica", "data") or ("data",)
@@ -101,12 +101,6 @@ def split_loss(out):
                 f"(averaged over devices): reduce it to a scalar, or keep arrays such as "
                 f"BatchNorm statistics in the model state (init_state and units.set_state)")
     return loss, aux
-
-
-def vary(x, axes):
-    """Marks `x` as device-varying over `axes` (a type cast under check_vma, no data moved)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def device_key(rng, step, axes) -> jax.Array:
@@ -216,18 +210,17 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     metrics = {}
     # norm is global, so every device takes the same branch
     finite = jnp.isfinite(norm) if cfg.dynamic_scale else None
-    update = partial(_update, plan.optimizer, layout, cfg.clip_norm,
-                     plan.dtype if cfg.offload else None)
+    means = _mean_metrics(loss, aux, plan.axes)
+    reduced = (layout.unflatten(grads), denom, norm, finite, means["loss"])
     if cfg.offload:
-        # One host call: the gradient shard (in its reduced dtype, not fp32), the scale, norm
-        # and skip flag in; master and opt_state updated on the host; the compute-dtype
-        # shard out.
-        new_master, opt_state, shards = compute_on("device_host")(jax.jit(update))(
-            to_memory((grads, denom, norm, finite), HOST), state.opt_state, state.master)
+        # The gradient shard goes to the host in its reduced dtype (not fp32), with the scale,
+        # norm, skip flag and loss; each round of the update's local work runs on the host
+        # (one host call for an elementwise optimizer); the compute-dtype shard comes back.
+        new_master, opt_state, shards = plan.update(
+            to_memory(reduced, HOST), state.opt_state, state.master, offload=True)
         shards = to_memory(shards, DEVICE)
     else:
-        new_master, opt_state, shards = update((grads, denom, norm, finite), state.opt_state,
-                                               state.master)
+        new_master, opt_state, shards = plan.update(reduced, state.opt_state, state.master)
     if cfg.dynamic_scale:
         model_state = _keep(finite, model_state, state.model_state)
         ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
@@ -235,18 +228,10 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         metrics["skipped"] = (~finite).astype(jnp.int32)
 
     compute = _refresh(plan, shards, state.compute) if plan.stores_compute else None
-    means = _mean_metrics(loss, aux, plan.axes)
     metrics.update(loss=means.pop("loss"), grad_norm=norm, **means)
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
                            model_state)
     return new_state, metrics
-
-
-HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-def to_memory(tree, space):
-    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
 def on_device(state: TrainState) -> TrainState:
@@ -264,28 +249,6 @@ def _keep(finite, new, old):
 def _unscale(g, denom):
     """A summed, loss-scaled gradient shard as the fp32 mean gradient."""
     return g.astype(jnp.float32) / denom
-
-
-def _update(optimizer, layout: Layout, clip_norm, dtype, reduced, opt_state, master):
-    """The optimizer step on the master shard: (new master, new optimizer state, new master
-    leaves as the refresh reads them: themselves, or cast to `dtype` to leave host memory).
-
-    `reduced`: (summed gradient shards, their divisor, the global norm, the finite flag of
-    dynamic loss scaling or None)."""
-    grads, denom, norm, finite = reduced
-    grads = [_unscale(g, denom) for g in grads]
-    if clip_norm is not None:
-        c = jnp.float32(clip_norm)
-        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
-        grads = [jnp.where(norm < c, g, g / norm * c) for g in grads]
-    updates, new_opt = optimizer.update(layout.unflatten(grads), opt_state, master)
-    new_master = optax.apply_updates(master, updates)
-    if finite is not None:
-        new_master, new_opt = _keep(finite, new_master, master), _keep(finite, new_opt, opt_state)
-    leaves = jax.tree.leaves(new_master)
-    if dtype is not None:
-        leaves = [m.astype(dtype) for m in leaves]
-    return new_master, new_opt, leaves
 
 
 def _shard_shape(layout: Layout, leaf) -> tuple[int, ...]:

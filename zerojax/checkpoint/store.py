@@ -22,8 +22,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax.checkpoint.arrays import STATE, read_arrays, stored_arrays
 from zerojax.checkpoint.record import (
@@ -37,12 +35,8 @@ from zerojax.checkpoint.record import (
     unparts,
     why,
 )
-from zerojax.engine import map_opt_params
 from zerojax.errors import CheckpointError
-from zerojax.mesh import DATA
-from zerojax.partition import Layout, LeafSpec, pad_flat, unpad
-from zerojax.precision import LossScale
-from zerojax.step import on_device
+from zerojax.partition import LeafSpec
 
 META = "meta"
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
@@ -62,58 +56,16 @@ def _saver(engine):
     cached = _SAVERS.get(engine)
     if cached is not None and cached[0] is engine.plan:
         return cached[1:]
-    layout = engine.layout
-    shardings = jax.tree.map(lambda x: x.sharding, _abstract(engine, layout))
+    shardings = jax.tree.map(lambda x: x.sharding, engine.logical_target())
 
     def logical(state):
-        if engine.config.offload is not None:
-            state = on_device(state)
-        tree = {"params": layout.from_flat(state.master),
-                "opt_state": map_opt_params(engine.optimizer, layout, unpad, state.opt_state),
-                "step": state.step,
-                "loss_scale": {"scale": state.loss_scale.scale,
-                               "good_steps": state.loss_scale.good_steps},
-                "rng": state.rng}
-        if state.model_state is not None:
-            tree["model_state"] = state.model_state
+        tree = engine.logical(state)
         return tree, leaf_checksums(tree)
 
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
     dtypes = [jnp.dtype(m.dtype).name for m in jax.tree.leaves(model)]
     _SAVERS[engine] = (engine.plan, jax.jit(logical, out_shardings=(shardings, None)), dtypes)
     return _SAVERS[engine][1:]
-
-
-
-def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
-    """Over "data" on the unit's first divisible axis (a local reshape of the flat shard)."""
-    n = dict(mesh.shape)[DATA]
-    first = 1 if stacked else 0
-    for a in [*range(first, len(shape)), *range(first)]:
-        if n > 1 and shape[a] % n == 0:
-            return NamedSharding(mesh, P(*[DATA if i == a else None for i in range(len(shape))]))
-    return NamedSharding(mesh, P())
-
-
-def _abstract(engine, layout: Layout):
-    """The logical tree to save or restore, as ShapeDtypeStructs on this engine's mesh."""
-    mesh, replicated = engine.mesh, NamedSharding(engine.mesh, P())
-    sds = lambda leaf, dtype=jnp.float32: jax.ShapeDtypeStruct(
-        leaf.shape, dtype, sharding=_logical_sharding(mesh, leaf.shape, leaf.stacked))
-    params = layout.unflatten(sds(leaf) for leaf in layout.leaves)
-    opt = jax.eval_shape(engine.optimizer.init, params)
-    opt = map_opt_params(engine.optimizer, layout, lambda x, leaf: sds(leaf, x.dtype), opt,
-                   lambda v: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                       x.shape, x.dtype, sharding=replicated), v))
-    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-    on_mesh = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-    tree = {"params": params, "opt_state": opt, "step": scalar(jnp.int32),
-            "loss_scale": {"scale": scalar(jnp.float32), "good_steps": scalar(jnp.int32)},
-            "rng": on_mesh(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))))}
-    model_state = engine._abstract_model_state()
-    if model_state is not None:
-        tree["model_state"] = jax.tree.map(on_mesh, model_state)
-    return tree
 
 
 # ---------------------------------------------------------------- save / restore
@@ -281,8 +233,8 @@ def _match(engine, meta: dict, where: str):
                               f"differ): {_listing(diffs)}")
     leaves = tuple(LeafSpec(d["path"], tuple(d["shape"]), bool(d["stacked"]))
                    for d in meta["params"])
-    layout = Layout(leaves, jax.tree.structure(model), 1)
-    target = _abstract(engine, layout)
+    treedef = jax.tree.structure(model)
+    target = engine.logical_target(leaves, treedef)
     diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
@@ -291,7 +243,7 @@ def _match(engine, meta: dict, where: str):
     if diffs:
         raise CheckpointError(f"{where} has another model state (init_state's leaves, shapes "
                               f"or dtypes differ): {_listing(diffs)}")
-    return leaves, layout.treedef, target
+    return leaves, treedef, target
 
 
 def _load(engine, mngr, path: Path, step: int):
@@ -356,16 +308,5 @@ def restore(engine, directory, step: int | None = None):
         raise CheckpointError(f"{e}{more}", intact_steps=intact, damage=str(e)) from None
 
     # Only now, with the arrays read and verified, does the engine adopt the recorded units.
-    plan = engine.plan
-    if plan is None or (plan.layout.leaves, plan.layout.treedef) != (leaves, treedef):
-        engine.set_units(leaves, treedef)
     saved_scale = meta["dynamic_loss_scale"] and engine.config.dynamic_scale
-
-    def build(tree):
-        st = engine._to_state(tree["params"], tree["rng"], tree.get("model_state"))
-        opt = map_opt_params(engine.optimizer, engine.layout,
-                       lambda x, leaf: pad_flat(x, leaf, engine.layout.shards), tree["opt_state"])
-        ls = LossScale(**tree["loss_scale"]) if saved_scale else st.loss_scale
-        return st._replace(step=tree["step"], opt_state=opt, loss_scale=ls)
-
-    return jax.jit(build, out_shardings=engine.state_shardings())(tree)
+    return engine.from_logical(tree, leaves, treedef, loss_scale=saved_scale)

@@ -1,0 +1,326 @@
+"""The optimizer over the shards, with the numbers of single-device optax on logical params.
+
+`ShardedUpdate` traces the step's update (unscale, clip, `optimizer.update`, apply, skip) once
+on the logical shapes and runs that trace over each device's flat shards (interpret.py): what
+is elementwise stays local and costs nothing new, a norm or any other reduction of a leaf is a
+local segment reduction plus one fused all-reduce per round, whole-matrix work (Muon's
+Newton–Schulz) runs on an owner device per matrix (owners.py), and anything else is assembled.
+Mask and label functions see logical leaves, as in plain optax.
+
+Optimizer state: a leaf that the update computes elementwise from the params or gradients is
+stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,
+factored statistics, keys) are replicated, unless they are large (`LARGE`), in which case they
+are stored flat too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental.compute_on import compute_on
+from jax.sharding import PartitionSpec as P
+
+from zerojax.errors import ConfigError
+from zerojax.update.interpret import (
+    COMMS,
+    WHOLE,
+    Bcast,
+    Flat,
+    Partial,
+    Phys,
+    Program,
+    run_comms,
+    run_local,
+    shard_jaxpr,
+)
+from zerojax.mesh import DATA
+from zerojax.update.owners import Owners
+from zerojax.partition import Layout
+
+LARGE = 1 << 16  # elements: a replicated optimizer-state leaf this large is stored flat instead
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def as_transformation(optimizer) -> optax.GradientTransformation:
+    """The optax transformation an `Engine` runs; ConfigError for anything else."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if callable(getattr(optimizer, "gradient_transformation", None)):  # optax.MultiSteps
+        return optimizer.gradient_transformation()
+    raise ConfigError(f"optimizer must be an optax.GradientTransformation (or optax.MultiSteps), "
+                      f"got {type(optimizer).__name__}")
+
+
+def takes_value(optimizer) -> bool:
+    """Whether `update` takes extra arguments (the step passes `value=`, the global loss)."""
+    return isinstance(optimizer, optax.GradientTransformationExtraArgs)
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What the update does besides the optimizer: the step's static choices."""
+
+    clip_norm: float | None
+    out_dtype: Any  # the dtype the new master leaves leave in (offload), or None
+    extra: bool  # pass value= (the global loss)
+
+
+def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
+    """The optimizer step on logical params: (new master, new optimizer state, new master
+    leaves as the refresh reads them).
+
+    `reduced`: (summed gradients, their divisor, the global norm, the finite flag of dynamic
+    loss scaling or None, the global loss)."""
+    grads, denom, norm, finite, value = reduced
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
+    if how.clip_norm is not None:
+        c = jnp.float32(how.clip_norm)
+        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
+        grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
+    kw = {"value": value} if how.extra else {}
+    updates, new_opt = optimizer.update(grads, opt_state, master, **kw)
+    new_master = optax.apply_updates(master, updates)
+    if finite is not None:
+        keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
+        new_master, new_opt = keep(new_master, master), keep(new_opt, opt_state)
+    leaves = jax.tree.leaves(new_master)
+    if how.out_dtype is not None:
+        leaves = [m.astype(how.out_dtype) for m in leaves]
+    return new_master, new_opt, leaves
+
+
+class ShardedUpdate:
+    """`step_update` over the flat shards of `layout`, and the optimizer state's layout."""
+
+    def __init__(self, optimizer, layout: Layout, how: StepUpdate, axis: str = DATA,
+                 owners: bool = True):
+        self.optimizer, self.layout, self.how, self.axis = optimizer, layout, how, axis
+        self.owners = owners  # whole-matrix work on owner devices (False: on every device)
+        self.shards = layout.shards
+        self.phys = [Phys(leaf.shape[0] if leaf.stacked else None, leaf.size, layout.shards)
+                     for leaf in layout.leaves]
+        self.param_reps = [Flat(ph, leaf.shape) for ph, leaf in zip(self.phys, layout.leaves)]
+        logical = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+                                   for leaf in layout.leaves)
+        self.logical_params = logical
+        try:
+            self.logical_state = jax.eval_shape(optimizer.init, logical)
+        except Exception as e:
+            raise ConfigError(f"the optimizer's init failed on the model's params "
+                              f"({type(e).__name__}: {e})") from None
+        self.state_def = jax.tree.structure(self.logical_state)
+        self._programs: dict = {}
+        self._by_path = {tuple(path): rep for (path, _), rep in zip(
+            jax.tree.flatten_with_path(logical)[0], self.param_reps)}
+        self.state_reps = self._state_reps()
+
+    # ------------------------------------------------------------------ tracing and planning
+
+    def _args(self, finite: bool, gdtypes):
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        grads = self.layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, d)
+                                      for leaf, d in zip(self.layout.leaves, gdtypes))
+        reduced = (grads, scalar(jnp.float32), scalar(jnp.float32),
+                   scalar(jnp.bool_) if finite else None, scalar(jnp.float32))
+        return reduced, self.logical_state, self.logical_params
+
+    def _trace(self, finite: bool, gdtypes):
+        args = self._args(finite, gdtypes)
+        fn = lambda *a: step_update(self.optimizer, self.how, *a)
+        try:
+            closed = jax.make_jaxpr(fn)(*args)
+        except TypeError as e:
+            if "value_fn" in str(e) or "obj_fn" in str(e) or "grad" in str(e):
+                raise ConfigError(f"this optimizer needs the loss function itself ({e}); the "
+                                  f"engine passes value= (the global loss) only: use another "
+                                  f"optimizer") from None
+            raise
+        return closed, jax.tree.structure(args)
+
+    def _in_reps(self, state_reps, finite: bool) -> list:
+        n = len(self.param_reps)
+        reduced = [*self.param_reps, WHOLE, WHOLE, *([WHOLE] if finite else []), WHOLE]
+        assert len(reduced) == n + 3 + finite
+        return [*reduced, *state_reps, *self.param_reps]
+
+    def _out_reps(self, state_reps) -> list:
+        return [*self.param_reps, *state_reps, *self.param_reps]
+
+    def _state_reps(self) -> list:
+        """Per optimizer-state leaf: Flat (stored like the params) or WHOLE (replicated), the
+        fixed point of what the update gives for it, starting from the leaves that sit where
+        a param sits in a copy of the params tree (moments, copies of the initial params)."""
+        closed, _ = self._trace(False, [jnp.float32] * len(self.param_reps))
+        paths_avals = jax.tree.flatten_with_path(self.logical_state)[0]
+        reps = [self._param_like(path, aval) for path, aval in paths_avals]
+        n = len(self.param_reps)
+        for _ in range(8):
+            _, natural, _ = shard_jaxpr(closed, self._in_reps(reps, False), None,
+                                        shards=self.shards, axis=self.axis)
+            new = []
+            for (_, aval), old, r in zip(paths_avals, reps, natural[n: n + len(reps)]):
+                if isinstance(old, Flat):
+                    new.append(old)  # any other rep converts to it locally
+                elif isinstance(r, Flat):
+                    new.append(r)
+                elif math.prod(aval.shape) >= LARGE and self.shards > 1:
+                    new.append(Flat(Phys(None, math.prod(aval.shape), self.shards),
+                                    tuple(aval.shape)))
+                else:
+                    new.append(WHOLE)
+            if new == reps:
+                return reps
+            reps = new
+        return reps
+
+    def _param_like(self, path, aval):
+        """The param rep of a state leaf whose path ends with that param's path and whose shape
+        is the param's; WHOLE otherwise."""
+        for i in range(len(path)):
+            rep = self._by_path.get(tuple(path[i:]))
+            if rep is not None and tuple(aval.shape) == rep.shape:
+                return rep
+        return WHOLE
+
+    def program(self, finite: bool, gdtypes=None) -> tuple[Program, Any, Any]:
+        """The planned update for these gradient dtypes (default float32)."""
+        gdtypes = tuple(jnp.dtype(d) for d in (gdtypes or [jnp.float32] * len(self.param_reps)))
+        key = (finite, gdtypes)
+        if key not in self._programs:
+            closed, treedef = self._trace(finite, gdtypes)
+            prog, _, planner = shard_jaxpr(
+                closed, self._in_reps(self.state_reps, finite), self._out_reps(self.state_reps),
+                shards=self.shards, axis=self.axis,
+                hooks=Owners() if self.shards > 1 and self.owners else None)
+            self._programs[key] = (prog, treedef, planner)
+        return self._programs[key]
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, reduced, opt_state, master, offload: bool = False):
+        """Inside the step's shard_map: this device's (new master, new optimizer state, new
+        master leaves). `reduced` as `step_update` takes it, over flat shards."""
+        finite = reduced[3] is not None
+        prog, _, _ = self.program(finite, [g.dtype for g in jax.tree.leaves(reduced[0])])
+        args = jax.tree.leaves((reduced, opt_state, master))
+        outs = run_offloaded(prog, args) if offload else prog(*args)
+        n, m = len(self.param_reps), len(self.state_reps)
+        master_out = self.layout.unflatten(outs[:n])
+        opt_out = jax.tree.unflatten(self.state_def, outs[n:n + m])
+        return master_out, opt_out, list(outs[n + m:])
+
+    # ------------------------------------------------------------------ the state's layout
+
+    def specs(self):
+        """PartitionSpecs of the stored optimizer state."""
+        def spec(rep):
+            if not isinstance(rep, Flat) or self.layout.replicated:
+                return P()
+            return P(None, self.axis) if rep.phys.lead is not None else P(self.axis)
+        return jax.tree.unflatten(self.state_def, [spec(r) for r in self.state_reps])
+
+    def abstract(self):
+        """The stored optimizer state as ShapeDtypeStructs (global shapes)."""
+        avals = jax.tree.leaves(self.logical_state)
+        return jax.tree.unflatten(self.state_def, [
+            jax.ShapeDtypeStruct(r.phys.global_shape if isinstance(r, Flat) else a.shape, a.dtype)
+            for a, r in zip(avals, self.state_reps)])
+
+    def stored(self, logical_state):
+        """Logical optimizer state -> the stored layout (global view, inside jit)."""
+        leaves = self.state_def.flatten_up_to(logical_state)
+        return jax.tree.unflatten(self.state_def, [
+            _pad(x, r) if isinstance(r, Flat) else x for x, r in zip(leaves, self.state_reps)])
+
+    def logical(self, stored_state):
+        """The stored optimizer state -> logical shapes (global view, inside jit)."""
+        leaves = self.state_def.flatten_up_to(stored_state)
+        return jax.tree.unflatten(self.state_def, [
+            jnp.reshape(x[..., :r.phys.unit], r.shape) if isinstance(r, Flat) else x
+            for x, r in zip(leaves, self.state_reps)])
+
+    def init(self, params):
+        """The stored initial optimizer state of logical `params` (inside jit)."""
+        return self.stored(self.optimizer.init(params))
+
+    def report(self, finite: bool = False) -> dict:
+        """What the update costs: collectives per round and the whole-tensor work."""
+        prog, _, planner = self.program(finite)
+        comms = [(op.kind, tuple(planner.aval[op.ins[0]].shape)) for op in prog.collectives]
+        return {"rounds": sum(1 for _, c in prog.rounds if c), "collectives": comms,
+                "assembled": sorted(set(planner.whole_ops)),
+                "flat_state": sum(isinstance(r, Flat) for r in self.state_reps),
+                "replicated_state": sum(not isinstance(r, Flat) for r in self.state_reps)}
+
+
+
+def _pad(x, rep: Flat):
+    lead = () if rep.phys.lead is None else (rep.phys.lead,)
+    x = jnp.reshape(x, (*lead, rep.phys.unit))
+    pad = rep.phys.k * rep.phys.shards - rep.phys.unit
+    return jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Offload: the local work of each round on the host, only the collectives on the device.
+
+
+def to_memory(tree, space):
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def run_offloaded(prog: Program, args):
+    """`prog` with its local work in host memory and compute (`compute_on("device_host")`):
+    one host computation per round (split at control flow with collectives inside, which runs
+    on the device), the fused collectives of each round on the device."""
+    env = dict(zip(prog.inputs, args, strict=True))
+    steps = []  # ("host", [ops]) | ("device", [ops]) | ("comm", [ops])
+    for locals_, comms in prog.rounds:
+        for op in locals_:
+            kind = "device" if op.kind == "sync" else "host"
+            if steps and steps[-1][0] == kind == "host":
+                steps[-1][1].append(op)
+            else:
+                steps.append((kind, [op]))
+        if comms:
+            steps.append(("comm", comms))
+    last_use: dict[int, int] = {}
+    for i, (_, ops) in enumerate(steps):
+        for op in ops:
+            for k in op.ins:
+                last_use[k] = i
+    for k in prog.outputs:
+        last_use[k] = len(steps)
+    for i, (kind, ops) in enumerate(steps):
+        made = {k for op in ops for k in op.outs}
+        ins = sorted({k for op in ops for k in op.ins if k not in made and k in env})
+        outs = sorted(k for k in made if last_use.get(k, -1) > i)
+        if kind == "comm":
+            sub = {k: to_memory(env[k], DEVICE) for k in ins}
+            run_comms(ops, sub, prog.axis, prog.shards)
+            env.update({k: to_memory(sub[k], HOST) for k in outs})
+            continue
+
+        def seg(*vals, ops=ops, ins=ins, outs=outs, host=kind == "host"):
+            # Inside the host computation the values are typed as device memory, so that they
+            # mix with the constants the update creates (a select needs one memory space).
+            local = dict(zip(ins, to_memory(vals, DEVICE) if host else vals))
+            for op in ops:
+                run_local(op, local, prog.consts)
+            res = [local[k] for k in outs]
+            return to_memory(res, HOST) if host else res
+
+        space = HOST if kind == "host" else DEVICE
+        vals = [to_memory(env[k], space) for k in ins]
+        res = compute_on("device_host")(jax.jit(seg))(*vals) if kind == "host" else seg(*vals)
+        env.update(zip(outs, [to_memory(r, HOST) for r in res] if kind == "device" else res))
+    return [env[k] if k in env else jnp.asarray(prog.consts[k]) for k in prog.outputs]
+
+
+__all__ = ["ShardedUpdate", "StepUpdate", "as_transformation", "takes_value", "step_update",
+           "COMMS", "Bcast", "Partial"]
