@@ -236,7 +236,9 @@ class Engine:
                                  check_vma=True)
             # The state's memory kinds are pinned, not inferred: a host computation's scalar
             # output (an optimizer's step count) may otherwise come back typed as device.
-            self._step_fn = jax.jit(body, donate_argnums=0,
+            # keep_unused: a state leaf the update never reads (an optimizer's placeholder) is
+            # still an argument, so that the arguments keep the memory kinds of the state.
+            self._step_fn = jax.jit(body, donate_argnums=0, keep_unused=True,
                                     out_shardings=(self.state_shardings(), None))
         return self._step_fn
 
@@ -279,18 +281,20 @@ class Engine:
     def optimizer_state(self, state: TrainState) -> Any:
         """The optimizer state as single-device optax has it for the logical params (e.g. for
         `optax.contrib.schedule_free_eval_params`)."""
-        return jax.jit(lambda s: self.logical(s)["opt_state"])(state)
+        offload = self.config.offload is not None
+        return jax.jit(lambda s: self.plan.update.logical(
+            on_device(s).opt_state if offload else s.opt_state))(state)
 
     # ---------------------------------------------------------------- the logical layout
 
     def logical(self, state: TrainState) -> dict:
         """The state in the logical layout (traceable): {"params", "opt_state", "step",
         "loss_scale": {"scale", "good_steps"}, "rng"[, "model_state"]}, as checkpoints hold
-        it: original shapes, no padding, any stage and N."""
+        it: original shapes, no padding, any stage and N; PRNG keys as their raw data."""
         if self.config.offload is not None:
             state = on_device(state)
         tree = {"params": self.layout.from_flat(state.master),
-                "opt_state": self.plan.update.logical(state.opt_state),
+                "opt_state": _key_data(self.plan.update.logical(state.opt_state)),
                 "step": state.step,
                 "loss_scale": {"scale": state.loss_scale.scale,
                                "good_steps": state.loss_scale.good_steps},
@@ -312,7 +316,7 @@ class Engine:
         params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf.stacked)
                                               for leaf in leaves])
         opt = jax.tree.map(lambda x: sds(x.shape, x.dtype),
-                           jax.eval_shape(self.optimizer.init, params))
+                           _key_data(jax.eval_shape(self.optimizer.init, params)))
         whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
         tree = {"params": params, "opt_state": opt, "step": whole(jnp.zeros((), jnp.int32)),
                 "loss_scale": jax.tree.map(whole, {"scale": jnp.zeros((), jnp.float32),
@@ -336,8 +340,11 @@ class Engine:
         def build(tree):
             st = self._to_state(tree["params"], tree["rng"], tree.get("model_state"))
             ls = LossScale(**tree["loss_scale"]) if loss_scale else st.loss_scale
+            opt = jax.tree.map(
+                lambda x, a: jax.random.wrap_key_data(x, dtype=a.dtype) if _is_key(a) else x,
+                tree["opt_state"], self.plan.update.logical_state)
             return st._replace(step=tree["step"], loss_scale=ls,
-                               opt_state=self.plan.update.stored(tree["opt_state"]))
+                               opt_state=self.plan.update.stored(opt))
 
         return jax.jit(build, out_shardings=self.state_shardings())(tree)
 
@@ -361,6 +368,22 @@ def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
         if n > 1 and shape[a] % n == 0:
             return NamedSharding(mesh, P(*[DATA if i == a else None for i in range(len(shape))]))
     return NamedSharding(mesh, P())
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(tree):
+    """`tree` with typed PRNG keys (an optimizer's noise key) as their raw uint32 data."""
+    def data(x):
+        if not _is_key(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.eval_shape(jax.random.key_data, x)
+        return jax.random.key_data(x)
+
+    return jax.tree.map(data, tree)
 
 
 def _as_arrays(tree):

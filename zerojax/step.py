@@ -218,7 +218,6 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         # (one host call for an elementwise optimizer); the compute-dtype shard comes back.
         new_master, opt_state, shards = plan.update(
             to_memory(reduced, HOST), state.opt_state, state.master, offload=True)
-        shards = to_memory(shards, DEVICE)
     else:
         new_master, opt_state, shards = plan.update(reduced, state.opt_state, state.master)
     if cfg.dynamic_scale:

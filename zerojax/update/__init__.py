@@ -26,6 +26,8 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
+from zerojax.mesh import DATA
+from zerojax.partition import Layout
 from zerojax.update.interpret import (
     COMMS,
     WHOLE,
@@ -38,9 +40,7 @@ from zerojax.update.interpret import (
     run_local,
     shard_jaxpr,
 )
-from zerojax.mesh import DATA
 from zerojax.update.owners import Owners
-from zerojax.partition import Layout
 
 LARGE = 1 << 16  # elements: a replicated optimizer-state leaf this large is stored flat instead
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -90,7 +90,10 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
         new_master, new_opt = keep(new_master, master), keep(new_opt, opt_state)
     leaves = jax.tree.leaves(new_master)
     if how.out_dtype is not None:
-        leaves = [m.astype(how.out_dtype) for m in leaves]
+        # A buffer of its own even where the dtype is the master's: the copy that leaves host
+        # memory must not be the master's own buffer.
+        leaves = [m.astype(how.out_dtype) if m.dtype != how.out_dtype else jnp.copy(m)
+                  for m in leaves]
     return new_master, new_opt, leaves
 
 
@@ -115,6 +118,7 @@ class ShardedUpdate:
                               f"({type(e).__name__}: {e})") from None
         self.state_def = jax.tree.structure(self.logical_state)
         self._programs: dict = {}
+        self._traced: dict = {}
         self._by_path = {tuple(path): rep for (path, _), rep in zip(
             jax.tree.flatten_with_path(logical)[0], self.param_reps)}
         self.state_reps = self._state_reps()
@@ -130,6 +134,12 @@ class ShardedUpdate:
         return reduced, self.logical_state, self.logical_params
 
     def _trace(self, finite: bool, gdtypes):
+        key = (finite, tuple(jnp.dtype(d) for d in gdtypes))
+        if key not in self._traced:
+            self._traced[key] = self._trace_new(finite, gdtypes)
+        return self._traced[key]
+
+    def _trace_new(self, finite: bool, gdtypes):
         args = self._args(finite, gdtypes)
         fn = lambda *a: step_update(self.optimizer, self.how, *a)
         try:
@@ -208,8 +218,12 @@ class ShardedUpdate:
         finite = reduced[3] is not None
         prog, _, _ = self.program(finite, [g.dtype for g in jax.tree.leaves(reduced[0])])
         args = jax.tree.leaves((reduced, opt_state, master))
-        outs = run_offloaded(prog, args) if offload else prog(*args)
         n, m = len(self.param_reps), len(self.state_reps)
+        if offload:  # the master and the state stay on the host; the compute shard leaves
+            spaces = [HOST] * (n + m) + [DEVICE] * n
+            outs = run_offloaded(prog, args, spaces)
+        else:
+            outs = prog(*args)
         master_out = self.layout.unflatten(outs[:n])
         opt_out = jax.tree.unflatten(self.state_def, outs[n:n + m])
         return master_out, opt_out, list(outs[n + m:])
@@ -274,14 +288,25 @@ def to_memory(tree, space):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def run_offloaded(prog: Program, args):
+def run_offloaded(prog: Program, args, spaces):
     """`prog` with its local work in host memory and compute (`compute_on("device_host")`):
     one host computation per round (split at control flow with collectives inside, which runs
-    on the device), the fused collectives of each round on the device."""
+    on the device), the fused collectives of each round on the device; the outputs end in the
+    memory `spaces` say."""
     env = dict(zip(prog.inputs, args, strict=True))
+    # What depends on no input (a dummy leaf, a flag) is computed in the step itself, on the
+    # device: XLA folds such a value into a constant, whatever memory it was asked to be in.
+    fixed = set(prog.consts)
+    for locals_, _ in prog.rounds:
+        for op in locals_:
+            if op.kind == "local" and all(k in fixed for k in op.ins):
+                run_local(op, env, prog.consts)
+                fixed.update(op.outs)
     steps = []  # ("host", [ops]) | ("device", [ops]) | ("comm", [ops])
     for locals_, comms in prog.rounds:
         for op in locals_:
+            if all(k in env for k in op.outs):
+                continue
             kind = "device" if op.kind == "sync" else "host"
             if steps and steps[-1][0] == kind == "host":
                 steps[-1][1].append(op)
@@ -319,7 +344,8 @@ def run_offloaded(prog: Program, args):
         vals = [to_memory(env[k], space) for k in ins]
         res = compute_on("device_host")(jax.jit(seg))(*vals) if kind == "host" else seg(*vals)
         env.update(zip(outs, [to_memory(r, HOST) for r in res] if kind == "device" else res))
-    return [env[k] if k in env else jnp.asarray(prog.consts[k]) for k in prog.outputs]
+    return [to_memory(env[k] if k in env else jnp.asarray(prog.consts[k]), space)
+            for k, space in zip(prog.outputs, spaces, strict=True)]
 
 
 __all__ = ["ShardedUpdate", "StepUpdate", "as_transformation", "takes_value", "step_update",

@@ -248,69 +248,66 @@ def bind(prim, params, *xs):
 # Local index arithmetic of a Flat value
 
 
-def _axis_index(axis, shards):
-    return lax.axis_index(axis) if shards > 1 else 0
-
-
-def flat_index(phys: Phys, axis: str):
-    """(the logical flat index of each local element, whether it is not padding)."""
-    g = _axis_index(axis, phys.shards) * phys.k + jnp.arange(phys.k)  # [k]
+def flat_index(phys: Phys, d):
+    """(the logical flat index of each local element, whether it is not padding), on the
+    device at position `d` of the data axis. Every value of one layout shares them."""
+    g = d * phys.k + lax.iota(jnp.int32, phys.k)  # [k]
     valid = g < phys.unit
     if phys.lead is not None:
-        g = jnp.arange(phys.lead)[:, None] * phys.unit + g[None, :]  # [L, k]
-        valid = jnp.broadcast_to(valid, phys.local_shape)
+        layer = lax.broadcasted_iota(jnp.int32, phys.local_shape, 0)
+        g = layer * phys.unit + lax.broadcast_in_dim(g, phys.local_shape, (1,))  # [L, k]
+        valid = lax.broadcast_in_dim(valid, phys.local_shape, (1,))
     return g, valid
 
 
 def unravel(flat, shape):
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    return [(flat // s) % n for s, n in zip(strides, shape)]
+    return [lax.rem(lax.div(flat, jnp.int32(s)), jnp.int32(n)) if n > 1 else None
+            for s, n in zip(strides, shape)]
 
 
 def ravel(idx, shape):
-    out = jnp.zeros_like(idx[0]) if idx else 0
+    out = None
     for i, n in zip(idx, shape):
-        out = out * n + i
+        out = (i if out is None else out * n + i) if i is not None else \
+            (None if out is None else out * n)
     return out
 
 
-def to_flat(x, rep: Flat, axis: str):
-    """A whole logical value -> this device's part of it."""
+def select(valid, x, fill):
+    """`x` where `valid`, else the scalar `fill`."""
+    return lax.select(valid, x, lax.full_like(x, fill))
+
+
+def to_flat(x, rep: Flat, d):
+    """A whole logical value -> the part of it on the device at position `d`."""
     phys = rep.phys
     lead = () if phys.lead is None else (phys.lead,)
+    if math.prod(jnp.shape(x)) == 1:  # one value: every element of the part is it
+        return lax.broadcast_in_dim(jnp.reshape(x, ()), phys.local_shape, ())
     x = jnp.reshape(x, (*lead, phys.unit))
     pad = phys.k * phys.shards - phys.unit
     if pad:
-        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)])
+        x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * len(lead) + [(0, pad, 0)])
     if phys.shards == 1:
         return x
-    start = _axis_index(axis, phys.shards) * phys.k
-    return lax.dynamic_slice_in_dim(x, start, phys.k, axis=len(lead))
+    return lax.dynamic_slice_in_dim(x, d * phys.k, phys.k, axis=len(lead))
 
 
-def bcast_to_flat(operand, b: Bcast, rep: Flat, axis: str):
+def bcast_to_flat(operand, b: Bcast, rep: Flat, flat, valid):
     """broadcast_in_dim(operand, shape, dims) -> this device's part, by index lookup."""
     if operand.size == 1:
-        return jnp.broadcast_to(operand.reshape(()), rep.phys.local_shape)
-    flat, valid = flat_index(rep.phys, axis)
-    multi = unravel(jnp.where(valid, flat, 0), b.shape)
+        return lax.broadcast_in_dim(jnp.reshape(operand, ()), rep.phys.local_shape, ())
+    multi = unravel(select(valid, flat, 0) if rep.phys.padded else flat, b.shape)
     # An operand axis of size 1 is broadcast along its output axis.
-    idx = ravel([multi[d] if n > 1 else jnp.zeros_like(flat) for d, n in
-                 zip(b.dims, operand.shape)], operand.shape)
-    return operand.reshape(-1)[idx]
+    idx = ravel([multi[d] if n > 1 else None for d, n in zip(b.dims, operand.shape)],
+                operand.shape)
+    return jnp.reshape(operand, (-1,))[idx]
 
 
 def from_flat(x, rep: Flat):
     """The gathered `[..., N·k]` -> the logical value."""
     return jnp.reshape(x[..., : rep.phys.unit], rep.shape)
-
-
-def mask(x, rep: Flat, axis: str, fill):
-    """`x` with its padding set to `fill`."""
-    if not rep.phys.padded:
-        return x
-    _, valid = flat_index(rep.phys, axis)
-    return jnp.where(valid, x, jnp.asarray(fill, x.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +351,7 @@ class Planner:
     whole_ops: list[str] = field(default_factory=list)  # primitives that assembled a Flat value
     hooks: Any = None  # owners.py: takes over whole-matrix work
     deps: dict[int, frozenset] = field(default_factory=dict)  # key -> owner regions it reads
+    cached: dict = field(default_factory=dict)  # the device and index keys
 
     # -- keys
     def new(self, aval, rep: Rep) -> int:
@@ -385,6 +383,33 @@ class Planner:
         if deps:
             for k in op.outs:
                 self.deps[k] = deps
+
+    # -- this device's position and each layout's local indices, computed once
+    def device(self) -> int:
+        if "device" not in self.cached:
+            n, axis = self.shards, self.axis
+            self.cached["device"] = self.local(
+                lambda: (lax.axis_index(axis) if n > 1 else jnp.int32(0),), [],
+                [jax.ShapeDtypeStruct((), jnp.int32)], [WHOLE])[0]
+        return self.cached["device"]
+
+    def index(self, phys: Phys) -> tuple[int, int]:
+        """Keys of (each local element's logical flat index, its validity) in `phys`."""
+        if phys not in self.cached:
+            shape = jax.ShapeDtypeStruct(phys.local_shape, jnp.int32)
+            self.cached[phys] = tuple(self.local(
+                lambda d: flat_index(phys, d), [self.device()],
+                [shape, jax.ShapeDtypeStruct(phys.local_shape, jnp.bool_)], [WHOLE, WHOLE]))
+        return self.cached[phys]
+
+    def masked(self, k: int, fill=0) -> int:
+        """Flat `k` with its padding set to `fill`."""
+        rep = self.rep[k]
+        if not rep.phys.padded:
+            return k
+        valid = self.index(rep.phys)[1]
+        return self.local(lambda x, v: (select(v, x, fill),), [k, valid], [self.aval[k]],
+                          [rep])[0]
 
     # -- conversions
     def whole(self, k: int) -> int:
@@ -421,10 +446,17 @@ class Planner:
         if isinstance(rep, Owned):
             return self.hooks.export(self, k, want)
         if isinstance(rep, Bcast):
-            return self.local(lambda x: (bcast_to_flat(x, rep, want, self.axis),), [k], [aval],
-                              [want])[0]
+            if math.prod(rep.operand) == 1:
+                return self.local(lambda x: (bcast_to_flat(x, rep, want, None, None),), [k],
+                                  [aval], [want])[0]
+            flat, valid = self.index(want.phys)
+            return self.local(lambda x, f, v: (bcast_to_flat(x, rep, want, f, v),),
+                              [k, flat, valid], [aval], [want])[0]
         k = self.whole(k)
-        return self.local(lambda x: (to_flat(x, want, self.axis),), [k], [aval], [want])[0]
+        if math.prod(aval.shape) == 1:
+            return self.local(lambda x: (to_flat(x, want, None),), [k], [aval], [want])[0]
+        return self.local(lambda x, d: (to_flat(x, want, d),), [k, self.device()], [aval],
+                          [want])[0]
 
     def convert(self, k: int, want: Rep) -> int:
         if isinstance(want, Flat):
@@ -509,8 +541,10 @@ class Planner:
         run = lambda *xs: bind(prim, params, *xs)
         if flats:
             want = Flat(flats[0].phys, out_shape)
-            ins = [self.flat(self._implicit(k, out_shape), want) if self.aval[k].shape != ()
-                   else self.whole(k) for k in ins]
+            # Operands of the output's shape (a scalar leaf's too) are taken as their flat
+            # parts; a scalar broadcasts as it is; others broadcast their size-1 axes.
+            ins = [self.whole(k) if self.aval[k].shape == () != out_shape else
+                   self.flat(self._implicit(k, out_shape), want) for k in ins]
             return self.local(run, ins, [out_aval], [want])
         shaped = {reps[i] for i, k in enumerate(ins) if self.aval[k].shape != ()}
         if len(shaped) == 1 and isinstance(b := next(iter(shaped)), Bcast):
@@ -518,6 +552,10 @@ class Planner:
             ins = [k if self.aval[k].shape != () else self.whole(k) for k in ins]
             return self.local(run, ins, [out_aval], [b])
         return None
+
+    def _zero(self, k) -> bool:
+        v = self.consts.get(k)
+        return v is not None and isinstance(v, np.ndarray) and not v.any()
 
     def _implicit(self, k, shape):
         """`k` seen at `shape`: a binary op's operand may have size-1 axes it broadcasts."""
@@ -530,6 +568,12 @@ class Planner:
     def _linear(self, eqn, ins):
         """A sum over devices commutes with + - and with scaling by a whole value."""
         name, reps = eqn.primitive.name, [self.rep[k] for k in ins]
+        if name == "add" and any(self._zero(k) for k in ins):  # `sum(...)` starts from 0
+            ins = [k for k in ins if not self._zero(k)]
+            if len(ins) == 1 and tuple(self.aval[ins[0]].shape) == \
+                    tuple(eqn.outvars[0].aval.shape):
+                return [self._as(ins[0], PARTIAL, eqn.outvars[0].aval)]
+            return None
         partial = [isinstance(r, Partial) for r in reps]
         whole = [isinstance(r, Whole) for r in reps]
         ok = {"all": all(partial),
@@ -556,8 +600,10 @@ class Planner:
             prim, params = eqn.primitive, eqn.params
             return self.local(lambda x: bind(prim, params, from_flat(x, rep)), [k],
                               [out_aval], [WHOLE])
-        part = self.local(lambda x: (segment_reduce(x, rep, axes, name, self.axis),), [k],
-                          [out_aval], [PARTIAL if name == "reduce_sum" else WHOLE])[0]
+        flat, valid = self.index(rep.phys)
+        part = self.local(lambda x, f, v: (segment_reduce(x, f, v, rep, axes, name),),
+                          [k, flat, valid], [out_aval],
+                          [PARTIAL if name == "reduce_sum" else WHOLE])[0]
         if name == "reduce_sum":
             return [part]
         return [self.comm(REDUCTIONS[name], part, out_aval, WHOLE)]
@@ -581,11 +627,12 @@ class Planner:
             return self.local(lambda x, y: (jnp.sum(x * y, dtype=pet or out_aval.dtype),),
                               [a, b], [out_aval], [WHOLE])
 
-        def local(x, y):
-            xy = mask(x.astype(out_aval.dtype) * y.astype(out_aval.dtype), want, self.axis, 0)
-            return (jnp.sum(xy),)
+        def local(x, y, *valid):
+            xy = x.astype(out_aval.dtype) * y.astype(out_aval.dtype)
+            return (jnp.sum(select(valid[0], xy, 0) if valid else xy),)
 
-        return self.local(local, [a, b], [out_aval], [PARTIAL])
+        valid = [self.index(want.phys)[1]] if want.phys.padded else []
+        return self.local(local, [a, b, *valid], [out_aval], [PARTIAL])
 
     def reshape(self, eqn, ins):
         k = ins[0]
@@ -678,16 +725,15 @@ def _live(ops: list[Op], outputs: list[int]) -> list[Op]:
     return keep[::-1]
 
 
-def segment_reduce(x, rep: Flat, axes, name, axis):
+def segment_reduce(x, flat, valid, rep: Flat, axes, name):
     """Reduction `name` over `axes` of this device's elements (padding excluded)."""
-    flat, valid = flat_index(rep.phys, axis)
     if name in ("reduce_and", "reduce_or"):
         x = x.astype(jnp.int32)
-    fill = {"reduce_sum": 0, "reduce_max": -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating)
-            else jnp.iinfo(x.dtype).min, "reduce_min": jnp.inf if
-            jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max,
-            "reduce_and": 1, "reduce_or": 0}[name]
-    x = jnp.where(valid, x, jnp.asarray(fill, x.dtype)) if rep.phys.padded else x
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    fill = {"reduce_sum": 0, "reduce_and": 1, "reduce_or": 0,
+            "reduce_max": -jnp.inf if floating else jnp.iinfo(x.dtype).min,
+            "reduce_min": jnp.inf if floating else jnp.iinfo(x.dtype).max}[name]
+    x = select(valid, x, fill) if rep.phys.padded else x
     shape = rep.shape
     keep = [a for a in range(len(shape)) if a not in axes]
     combine = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min,
@@ -697,8 +743,11 @@ def segment_reduce(x, rep: Flat, axes, name, axis):
     else:
         out_shape = tuple(shape[a] for a in keep)
         nseg = math.prod(out_shape)
-        multi = unravel(jnp.where(valid, flat, 0), shape)
-        seg = jnp.where(valid, ravel([multi[a] for a in keep], out_shape), nseg)
+        multi = unravel(select(valid, flat, 0) if rep.phys.padded else flat, shape)
+        seg = ravel([multi[a] for a in keep], out_shape)
+        seg = jnp.zeros_like(flat) if seg is None else seg
+        if rep.phys.padded:
+            seg = select(valid, seg, nseg)
         segment = {"reduce_sum": jax.ops.segment_sum, "reduce_max": jax.ops.segment_max,
                    "reduce_min": jax.ops.segment_min, "reduce_and": jax.ops.segment_min,
                    "reduce_or": jax.ops.segment_max}[name]
@@ -740,8 +789,4 @@ def shard_jaxpr(closed, in_reps: list[Rep], out_reps: list[Rep | None] | None = 
         outs = [p.whole(k) if isinstance(p.rep[k], Owned) else k for k in outs]
     if hooks is not None:
         hooks.finish(p)
-    if out_reps is not None:
-        outs = [p.local(lambda x, r=p.rep[k]: (mask(x, r, axis, 0),), [k], [p.aval[k]],
-                        [p.rep[k]])[0] if isinstance(p.rep[k], Flat) and p.rep[k].phys.padded
-                else k for k in outs]
     return p.finish(ins, outs), natural, p

@@ -1,0 +1,179 @@
+"""What an optimizer adds to the step, read off the programs: nothing for elementwise ones,
+one scalar all-reduce for a global-norm clip, small all-reduces for per-leaf norms, and
+Muon's Newton–Schulz split over the owners (FLOPs per device ~ total/N, ⌈M/N⌉ matrices each).
+"""
+
+import collections
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.analysis.accounting import lower
+from zerojax.models import GPT
+from zerojax.units import PlainUnits
+
+N = 4
+_COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all)"
+                         r"(?:-start)?\(")
+
+
+def collectives(engine, batch) -> collections.Counter:
+    """(kind, result type) of every collective in the step's pre-optimization HLO."""
+    hlo = lower(engine, batch).compiler_ir("hlo").as_hlo_text()
+    return collections.Counter((kind, re.sub(r"\{[^}]*\}", "", typ))
+                               for typ, kind in _COLLECTIVE.findall(hlo))
+
+
+def gpt_engine(optimizer, stage, n=N):
+    model = GPT.from_preset("test")
+    b = jax.ShapeDtypeStruct((2 * n, model.cfg.seq_len), jnp.int32)
+    return zj.Engine(model, optimizer, zj.make_mesh(data=n), zj.ZeroConfig(stage=stage)), \
+        {"inputs": b, "targets": b}
+
+
+def added(optimizer, stage, base=None):
+    """The collectives `optimizer` adds to the step of a plain elementwise one (sgd)."""
+    got = collectives(*gpt_engine(optimizer, stage))
+    ref = collectives(*gpt_engine(base or optax.sgd(0.1), stage))
+    return got - ref, ref - got
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_elementwise_optimizers_add_no_collective(stage):
+    for opt in (optax.adamw(1e-3, weight_decay=0.1), optax.lion(1e-4),
+                optax.sgd(0.1, momentum=0.9)):
+        assert added(opt, stage) == (collections.Counter(), collections.Counter())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
+    more, fewer = added(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), stage,
+                        base=optax.adamw(1e-3))
+    assert not fewer
+    # Stage 0 holds whole leaves on every device: the norm is local, nothing is added.
+    assert more == (collections.Counter() if stage == 0 else
+                    collections.Counter({("all-reduce", "f32[]"): 1}))
+
+
+def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf():
+    """lamb needs each leaf's param norm and update norm: one all-reduce of both for every
+    leaf at once; optax's safe_norm then takes each norm again where it is not zero (a second
+    read of the same data, so a second all-reduce of the same size). No leaf is gathered."""
+    more, fewer = added(optax.lamb(1e-3), 3, base=optax.adamw(1e-3))
+    leaves = len(jax.tree.leaves(jax.eval_shape(GPT.from_preset("test").init,
+                                                jax.random.key(0))))
+    assert not fewer and more == collections.Counter({("all-reduce", f"f32[{2 * leaves}]"): 2})
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon: each matrix orthogonalized on one owner
+
+
+M, D = 8, 48  # eight equal matrices, one per layer of a Python loop (separate leaves)
+
+
+class Matrices:
+    def init(self, rng):
+        ks = jax.random.split(rng, M)
+        return {f"w{i}": jax.random.normal(k, (D, D)) / np.sqrt(D) for i, k in enumerate(ks)}
+
+    def loss(self, params, batch, units):
+        h = batch["x"]
+        for i in range(M):
+            h = jnp.tanh(h @ units.gather(params[f"w{i}"]))
+        return jnp.mean((h - batch["y"]) ** 2)
+
+
+def muon(ns_steps):
+    return optax.contrib.muon(1e-2, ns_steps=ns_steps)
+
+
+def _flops(lowered_or_fn) -> float:
+    return lowered_or_fn.compile().cost_analysis()["flops"]
+
+
+def muon_step(ns_steps, owners=True):
+    model = Matrices()
+    b = {"x": jax.ShapeDtypeStruct((2 * N, D), jnp.float32),
+         "y": jax.ShapeDtypeStruct((2 * N, D), jnp.float32)}
+    engine = zj.Engine(model, muon(ns_steps), zj.make_mesh(data=N), zj.ZeroConfig(stage=1))
+    engine._discover(jax.eval_shape(model.init, jax.random.key(0)), b)
+    if not owners:
+        engine.plan.update.owners = False
+    return lower(engine, b)
+
+
+def single_device_update_flops(ns_steps) -> float:
+    params = jax.eval_shape(Matrices().init, jax.random.key(0))
+    tx = muon(ns_steps)
+    fn = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    return _flops(fn.lower(params, jax.eval_shape(tx.init, params), params))
+
+
+def test_muon_newton_schulz_is_split_over_the_owners():
+    total = single_device_update_flops(5) - single_device_update_flops(0)
+    per_device = _flops(muon_step(5)) - _flops(muon_step(0))
+    replicated = _flops(muon_step(5, owners=False)) - _flops(muon_step(0, owners=False))
+    assert total > 0
+    assert per_device <= 1.25 * total / N, (per_device, total)
+    assert replicated >= 0.9 * total  # the measurement sees the work where it is repeated
+    # One exchange in and one out, each holding ⌈M/N⌉ matrices per owner; nothing gathers a
+    # matrix whole on every device.
+    hlo = muon_step(5).compiler_ir("hlo").as_hlo_text()
+    found = collections.Counter((kind, typ) for typ, kind in _COLLECTIVE.findall(hlo))
+    k = math.ceil(D * D / N)  # one device's part of one matrix
+    a2a = [typ for kind, typ in found.elements() if kind == "all-to-all"]
+    sizes = [math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", t).group(1).split(","))
+             for t in a2a]
+    assert sizes == [N * math.ceil(M / N) * k] * 2, a2a
+
+
+# ---------------------------------------------------------------------------------------------
+# What is refused, and what is accepted as users write it
+
+
+class Tiny:
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (3, 5)), "b": jnp.zeros(5)}
+
+    def loss(self, params, batch, units):
+        p = units.gather(params)
+        return jnp.mean((batch["x"] @ p["w"] + p["b"][None] - batch["y"]) ** 2)
+
+
+def tiny_batches(steps=3):
+    r = np.random.default_rng(1)
+    return [{"x": r.normal(size=(8, 3)).astype(np.float32),
+             "y": r.normal(size=(8, 5)).astype(np.float32)} for _ in range(steps)]
+
+
+def test_an_optimizer_that_needs_the_loss_function_is_refused_by_name():
+    engine = zj.Engine(Tiny(), optax.lbfgs(), zj.make_mesh(data=2), zj.ZeroConfig(stage=1))
+    with pytest.raises(zj.ConfigError, match=r"needs the loss function itself.*value_fn"):
+        engine.init(jax.random.key(0), tiny_batches(1)[0])
+
+
+def test_multisteps_as_users_write_it():
+    """optax.MultiSteps itself (not its .gradient_transformation()) is accepted and exact."""
+    bs = tiny_batches(4)
+    tx = optax.MultiSteps(optax.adam(0.1), 2)
+    params = Tiny().init(jax.random.key(0))
+    state = tx.init(params)
+    for b in bs:
+        g = jax.grad(lambda p, b=b: Tiny().loss(p, b, PlainUnits()))(params)
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+    engine = zj.Engine(Tiny(), optax.MultiSteps(optax.adam(0.1), 2), zj.make_mesh(data=2),
+                       zj.ZeroConfig(stage=3))
+    st = engine.init(jax.random.key(0), bs[0])
+    for b in bs:
+        st, _ = engine.step(st, b)
+    got = engine.params(st)
+    for k in params:
+        np.testing.assert_allclose(got[k], params[k], rtol=1e-5, atol=1e-6)
