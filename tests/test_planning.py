@@ -450,6 +450,7 @@ def test_measure_counts_the_named_optimizers_state(capsys, keep_xla_flags):
     assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--optimizer",
                          "lion", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "lion"
     assert out["assumptions"]["optimizer"] == ("Lion (lr 0.0003), Lion momentum in float32: 4 "
                                                "bytes per param (read from its init; AdamW: 8)")
     (m,) = out["measurements"]

@@ -245,7 +245,8 @@ def measure_main(argv: list[str]) -> int:
             out.append({**m.as_dict(), "estimate": {"memory": mem.as_dict(),
                                                     "comm": comm.as_dict()}})
         print(json.dumps({"model": a.model, "devices": a.devices, "memory": a.memory,
-                          "assumptions": facts, "measurements": out}, indent=1))
+                          "optimizer": a.optimizer, "assumptions": facts,
+                          "measurements": out}, indent=1))
         return 0
     rows = []
     for m in results:
@@ -338,7 +339,8 @@ def plan_main(argv: list[str]) -> int:
         cands = f"{cands} + {more} with offload (nothing fit without it)"
     print(f"searched {cands} in {seconds:.0f} s", file=sys.stderr)
     if a.json:
-        print(json.dumps({"model": a.model, "assumptions": facts, **result.as_dict()}, indent=1))
+        print(json.dumps({"model": a.model, "optimizer": a.optimizer, "assumptions": facts,
+                          **result.as_dict()}, indent=1))
         return 0 if result.best else 1
     fmt = lambda v: "-" if v is None else format_bytes(v)
     rows = [{"stage": c.stage, "remat": "on" if c.remat else "off", "accum": c.grad_accum,

@@ -15,8 +15,9 @@ from zerojax.analysis.accounting import (
 )
 
 TIE = 0.01  # communication within 1% of the least counts as equal
-LR = 3e-4  # the learning rate of the optimizer `plan` and `measure` build (the state does not
-# depend on it), and train's default weight decay
+# The learning rate and weight decay (train's default) of the optimizers `plan` and `measure`
+# build; the state an optimizer allocates depends on neither.
+LR = 3e-4
 WEIGHT_DECAY = 0.1
 
 
