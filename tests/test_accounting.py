@@ -304,3 +304,44 @@ def test_offload_table_and_memory_rows():
         ("", "438 KB device + 2.63 MB host measured: this device's shards of the state"),
         ("", "+ grads 438 KB (bfloat16) only while a step runs; 875 KB host<->device per step"),
     ]
+
+
+# --- the optimizer's own state instead of Adam's ------------------------------------------------
+
+def test_state_estimate_takes_the_optimizers_state_bytes():
+    psi, n = 1000, 8
+    # Default: Adam's 8 bytes + the 4-byte master, the numbers above.
+    assert state_estimate(psi, n, 1) == state_estimate(psi, n, 1, optimizer_state_bytes=8)
+    # Lion's one momentum (4 bytes): K = 8 with a master, 4 where the fp32 params are it.
+    assert state_estimate(psi, n, 1, optimizer_state_bytes=4) == MemoryEstimate(
+        2000, 2000, 1000, 5000)
+    assert state_estimate(psi, n, 3, "float32", optimizer_state_bytes=4) == MemoryEstimate(
+        500, 500, 500, 1500)
+    assert state_estimate(psi, n, 3, offload="optimizer", optimizer_state_bytes=0.5) == \
+        MemoryEstimate(250, 250, 0, 500, host=562.5, transfer=500)
+    with pytest.raises(EstimateError, match="optimizer_state_bytes=-1 must be a non-negative"):
+        state_estimate(psi, n, 1, optimizer_state_bytes=-1)
+
+
+def test_train_memory_rows_name_the_optimizers_state():
+    psi = 875_264  # nano at stage 3 on 4 devices, with Lion (4 bytes per param)
+    cfg = lambda dtype, **kw: types.SimpleNamespace(param_dtype=dtype, replica=1,
+                                                    optimizer="lion", **kw)
+    fp32 = estimate_for(psi, 4, 3, cfg("float32"), 4)
+    assert fp32.state == 2 * 4 * psi / 4 and fp32.as_dict()["optimizer_state_bytes"] == 4
+    assert memory_rows(fp32, 0)[0] == (
+        "memory/device", "1.75 MB estimated = float32 params 875 KB (the master) + Lion "
+                         "momentum 875 KB")
+    bf16 = estimate_for(psi, 4, 3, cfg("bfloat16"), 4)
+    assert memory_rows(bf16, 0)[0] == (
+        "memory/device", "2.19 MB estimated = bfloat16 params 438 KB + float32 master 875 KB "
+                         "+ Lion momentum 875 KB")
+    # Offload: the host holds the master and the optimizer's state, split by its K.
+    off = estimate_for(psi, 4, 3, cfg("bfloat16", offload="optimizer"), 4)
+    assert off.memory.host == 8 * psi / 4
+    assert memory_rows(off, 0)[1] == (
+        "memory/host", "1.75 MB estimated in host memory (offload) = float32 master 875 KB + "
+                       "Lion momentum 875 KB")
+    muon = estimate_for(psi, 4, 3, types.SimpleNamespace(param_dtype="float32", replica=1,
+                                                         optimizer="muon"), 4.406)
+    assert memory_rows(muon, 0)[0][1].endswith("+ Muon momentum + Adam moments 964 KB")

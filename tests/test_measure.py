@@ -283,3 +283,27 @@ def test_offloaded_measurement_labels_the_derived_device_peak():
         assert m.device_peak_bytes == m.peak_bytes - m.state["host"]
     mem, _ = m.estimates()
     assert mem.host == 12 * m.num_params / 8
+
+
+# --- the state of any optimizer, as its init allocates it ------------------------------------
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "muon", "lamb", "sgd"])
+def test_engine_state_is_what_the_optimizers_init_allocates(name):
+    """Per device at N = 8: the state leaves stored like the params are 1/8, the others (step
+    counts, adafactor's unfactored placeholders, Muon's Newton–Schulz coefficients) whole."""
+    from test_presets import expected_bytes
+
+    from zerojax.analysis.accounting import optimizer_state_size
+    from zerojax.update.presets import build
+
+    model = GPT.from_preset("test")  # no leaf needs padding at N = 8
+    e = zj.Engine(model, build(name, 1e-3, weight_decay=0.1), zj.make_mesh(data=8),
+                  zj.ZeroConfig(stage=3, param_dtype="bfloat16"))
+    state = state_bytes(e, {k: jax.ShapeDtypeStruct((8, model.cfg.seq_len), jnp.int32)
+                            for k in ("inputs", "targets")})
+    size = optimizer_state_size(e)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    assert size.total == expected_bytes(name, params)
+    whole = size.scalars + {"adafactor": 2 * 4 * 17, "muon": 3 * 4}.get(name, 0)
+    assert state["optimizer"] == (size.total - whole) / 8 + whole
+    assert state["master"] == 4 * size.num_params / 8

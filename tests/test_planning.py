@@ -10,7 +10,7 @@ import pytest
 import zerojax as zj
 from zerojax.analysis.commands import estimate_main, measure_main, plan_main
 from zerojax.analysis.console import parse_bytes
-from zerojax.analysis.planning import Candidate, PlanResult, plan
+from zerojax.analysis.planning import Candidate, PlanResult, named_optimizer, plan
 from zerojax.models import GPT
 
 MB = 1e6
@@ -442,3 +442,76 @@ def test_plan_command_says_when_it_tried_offload(capsys, keep_xla_flags):
     assert code == (0 if engine_offloads() else 1)
     assert plan_main([*tight, "--offload", "off"]) == 1
     assert not json.loads(capsys.readouterr().out)["offload_searched"]
+
+
+# --- --optimizer: the named optimizer's state instead of Adam's ------------------------------
+
+def test_measure_counts_the_named_optimizers_state(capsys, keep_xla_flags):
+    assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--optimizer",
+                         "lion", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "lion"
+    assert out["assumptions"]["optimizer"] == ("Lion (lr 0.0003), Lion momentum in float32: 4 "
+                                               "bytes per param (read from its init; AdamW: 8)")
+    (m,) = out["measurements"]
+    psi = GPT.from_preset("test").num_params()
+    assert m["optimizer_state_bytes"] == 4  # AdamW's would be 8
+    # The compiled state's shards: one momentum shard, its step count and the master shard.
+    assert m["state"]["optimizer"] == 4 * psi / 8 + 4
+    mem = m["estimate"]["memory"]
+    assert m["state"]["master"] + m["state"]["optimizer"] == mem["optimizer"] + 4
+    # 24 bytes of scalars: step, Lion's count, loss scale, its good-step count, base key.
+    assert m["state"]["total"] == mem["total"] - mem["grads"] + 24
+
+
+def test_estimate_reads_k_from_the_named_optimizer(capsys):
+    argv = ["--params", "7.5e9", "--devices", "64", "--json"]
+    assert estimate_main([*argv, "--optimizer", "lion"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer_bytes"] == 8 and "on 7b (6.71B params)" in out["optimizer_bytes_from"]
+    assert [s["memory"]["total"] for s in out["stages"]] == [90e9, 30.9375e9, 16.171875e9,
+                                                            1.40625e9]
+    assert estimate_main([*argv, "--optimizer", "muon"]) == 0
+    k = json.loads(capsys.readouterr().out)["optimizer_bytes"]
+    assert k == pytest.approx(8.162, abs=1e-3)  # Adam's 8 on 7b's embeddings, head, norms
+    assert estimate_main([*argv, "--optimizer", "lion", "--optimizer-bytes", "10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["optimizer_bytes"], out["optimizer_bytes_from"]) == (10, "--optimizer-bytes")
+    assert estimate_main(argv[:4] + ["--optimizer", "sgd"]) == 0
+    assert ("note: K = 8 bytes per param: fp32 master 4 + sgd state 4 read from its init on 7b "
+            "(6.71B params), the GPT shape nearest Ψ") in capsys.readouterr().out
+
+
+def test_plan_counts_the_named_optimizers_state(capsys, keep_xla_flags):
+    assert plan_main(["--model", "test", "--devices", "8", "--memory", "1KB", "--stages", "3",
+                      "--remat", "on", "--grad-accum", "1", "--offload", "off", "--optimizer",
+                      "sgd", "--json"]) == 1  # nothing fits in 1 KB
+    (c,) = json.loads(capsys.readouterr().out)["candidates"]
+    # bf16 params, fp32 master, SGD's one momentum (Adam: two and a count), 1/8 each; 20 bytes
+    # of scalars: step, loss scale, its good-step count, base key.
+    assert c["state_bytes"] == (2 + 4 + 4) * GPT.from_preset("test").num_params() / 8 + 20
+
+
+def test_plan_largest_reads_k_per_shape(capsys, monkeypatch):
+    from zerojax.analysis import largest as lg
+    from zerojax.analysis.accounting import state_estimate
+
+    family = {k: v for k, v in lg.gpt_family().items() if k in ("gpt3-760m", "1b", "gpt3-1.3b",
+                                                               "gpt3-2.7b", "gpt-4b")}
+    monkeypatch.setattr(lg, "gpt_family", lambda: family)
+    argv = ["--devices", "1", "--memory", "40GB", "--largest", "--stages", "0", "--remat", "on",
+            "--json"]
+    fits = {}
+    for name in ("adamw", "adafactor"):
+        assert plan_main([*argv, "--optimizer", name]) == 0
+        out = json.loads(capsys.readouterr().out)
+        fits[name] = out["largest"][0]["fits"]
+    # Adam's 16 bytes per param reach 1.3B params in 40 GB; Adafactor's factored moments
+    # (about 0.01 bytes per param, so 8 in all) reach 4.3B.
+    assert (fits["adamw"]["name"], fits["adafactor"]["name"]) == ("gpt3-1.3b", "gpt-4b")
+    f = fits["adafactor"]
+    k = lg.state_per_param(named_optimizer("adafactor"), family["gpt-4b"])
+    assert f["optimizer_state_bytes"] == k < 0.02
+    assert f["state"] == state_estimate(f["num_params"], 1, 0, optimizer_state_bytes=k).total
+    assert "Adafactor, Adafactor factored moments in float32: K = " in out["assumptions"][
+        "optimizer"]

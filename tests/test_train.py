@@ -16,12 +16,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
 from zerojax.app import options, peers, sample, train
 from zerojax.app.data import embedded_corpus
+from zerojax.models import GPT
+from zerojax.update import presets
 
 ROOT = Path(__file__).resolve().parents[1]
 # The "test" preset has a 64-token vocabulary: bytes folded into it keep the runs tiny.
@@ -141,6 +144,9 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "out is a file": ("--out {tmp}/bad.json", "bad.json' is a file; name a directory"),
     "out under a file": ("--out {tmp}/bad.json/run", "is under '{tmp}/bad.json', which is a file"),
     "unwritable out": ("--out {tmp}/locked/run", "is not a writable directory"),
+    "optimizer in a config file": ("--config {tmp}/adam.toml",
+                                   "unknown --optimizer='adam'; choose one of adamw, lion, "
+                                   "adafactor, muon, lamb, sgd"),
     "resume step": ("--resume-step 7 --out {tmp}/old",
                     "--resume-step=7: no such checkpoint in '{tmp}/old/checkpoints'; its steps "
                     "are 5"),
@@ -156,6 +162,7 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, caps
     if where == "after the quick start":  # what `python -m zerojax train` leaves in runs/train
         shutil.copytree(request.getfixturevalue("reference"), tmp_path / "runs" / "train")
     (tmp_path / "bad.json").write_text('{"stepz": 3}')
+    (tmp_path / "adam.toml").write_text('optimizer = "adam"\n')
     (tmp_path / "old" / "checkpoints" / "5").mkdir(parents=True)
     (tmp_path / "dir.npy").mkdir()
     (tmp_path / "garbage.npy").write_bytes(b"not a numpy file at all")
@@ -217,6 +224,77 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     est = s["memory_per_device"]["estimate"]
     assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
     assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
+
+
+# Each optimizer but the default (which the other runs here use) once, each meeting another
+# feature: stages, offload, bf16, grad_accum, resume.
+OPTIMIZER_RUNS = {"adafactor": "--stage 1", "muon": "--stage 2", "lamb": "--stage 0",
+                  "sgd": "--stage 3 --grad-accum 2",
+                  "lion": "--stage 3 --param-dtype bfloat16 --offload optimizer"}
+
+
+def test_optimizer_option_lists_the_presets():
+    from typing import get_args, get_type_hints
+
+    hint = get_type_hints(options.TrainConfig, include_extras=True)["optimizer"]
+    literal, none = get_args(get_args(hint)[0])  # Annotated[Literal[...] | None, help]
+    assert (get_args(literal), none) == (presets.OPTIMIZERS, type(None))
+    assert {"adamw", *OPTIMIZER_RUNS} == set(presets.OPTIMIZERS)
+    assert options.validate(options.parse_args([])).optimizer == "adamw"
+    assert options.validate(options.parse_args(["--resume"])).optimizer is None  # the saved one
+
+
+def test_resume_takes_the_saved_optimizer_and_refuses_another():
+    cfg = options.TrainConfig(resume=True, out="runs/x")
+    assert options.resume_optimizer(cfg, {"optimizer": "muon"}).optimizer == "muon"
+    assert options.resume_optimizer(cfg, {"steps": 5}).optimizer == "adamw"  # before the option
+    same = dataclasses.replace(cfg, optimizer="muon")
+    assert options.resume_optimizer(same, {"optimizer": "muon"}) == same
+    with pytest.raises(options.UsageError) as e:
+        options.resume_optimizer(same, {"steps": 5})
+    assert str(e.value) == ("--optimizer muon: the run in 'runs/x' was trained with --optimizer "
+                            "adamw, whose state muon cannot continue; resume without --optimizer "
+                            "(or with --optimizer adamw), or start a new run in another --out")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_RUNS))
+def test_each_optimizer_trains_and_the_table_names_its_state(name, tmp_path, tokens64, capsys,
+                                                             monkeypatch):
+    from test_measure import engine_offloads
+    from test_presets import expected_bytes
+
+    jax.devices()  # the backend starts with the suite's 8 devices, before main sets --devices
+    extra = OPTIMIZER_RUNS[name].split()
+    if "--offload" in extra and not engine_offloads():
+        extra = extra[:2]
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    argv = ["--model", "test", "--batch", "8", "--eval-every", "0", "--data", str(tokens64),
+            "--devices", "2", "--warmup", "0", "--out", str(tmp_path), *extra]
+    assert train.main([*argv, "--steps", "3", "--optimizer", name]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"optimizer {presets.TITLE[name]} lr 0.003, 0 warm-up steps" in shown
+    assert f"+ {presets.STATE[name]} " in shown and ("Adam moments" in shown) == (
+        name == "muon")
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["config"]["optimizer"] == name
+    params = jax.eval_shape(GPT.from_preset("test").init, jax.random.key(0))
+    scalars = {"sgd": 4, "muon": 8}.get(name, 4)  # a schedule's count; sgd's only one
+    k = (expected_bytes(name, params) + (4 if name == "sgd" else 0) - scalars) / 21_760
+    est = s["memory_per_device"]["estimate"]
+    assert (est["optimizer"], est["optimizer_state_bytes"]) == (name, k)
+    if "--offload" in extra:  # the host keeps the master and Lion's momentum, 1/2 each
+        assert est["host"] == (4 + 4) * 21_760 / 2
+    loss = losses(tmp_path)
+    assert np.isfinite(loss).all() and len(loss) == 3 and loss[-1] < loss[0], loss
+    if name != "lion":
+        return
+    # A resume continues the saved optimizer; naming another is refused before anything runs.
+    assert train.main([*argv, "--steps", "4", "--resume", "--optimizer", "adamw"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was trained with --optimizer lion, whose state" in err
+    assert train.main([*argv, "--steps", "4", "--resume", "--quiet"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["config"]["optimizer"], s["steps_done"]) == ("lion", 4)
 
 
 def test_cut_off_metrics_record_is_dropped(tmp_path):
@@ -344,6 +422,9 @@ def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, mo
 
     assert train.main([*args, "--steps", "20", "--resume-step", "10"]) == 0
     shown = " ".join(capsys.readouterr().out.split())  # the table may wrap long notes
+    assert "optimizer AdamW lr 0.003" in shown and "+ Adam moments" in shown  # the default
+    est = json.loads((out / "summary.json").read_text())["memory_per_device"]["estimate"]
+    assert (est["optimizer"], est["optimizer_state_bytes"]) == ("adamw", 8)
     assert f"metrics.jsonl: dropped a cut-off last record ({cut} bytes)" in shown
     assert "resuming from step 10: later step(s) 20 moved to" in shown
     assert (out / "superseded" / "20" / "state").is_dir()

@@ -19,6 +19,7 @@ from zerojax.config import OFFLOADS
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
 from zerojax.step import stores_compute
+from zerojax.update.presets import StateSize, state_size
 
 # --- Analytic model --------------------------------------------------------------------------
 
@@ -32,14 +33,14 @@ class EstimateError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device model-state bytes: `total` is what device memory holds; with optimizer
-    offload the master and moments are in `host` memory instead and `transfer` bytes cross
+    offload the master and optimizer state are in `host` memory instead and `transfer` bytes cross
     between host and device each step."""
 
     params: float  # compute params, Ψ·pb (stage 3: /N)
     grads: float  # gradients, Ψ·gb (stages 2, 3: /N)
-    optimizer: float  # master params and moments on the device, Ψ·K (stages 1-3: /N; offload: 0)
+    optimizer: float  # master params and optimizer state, Ψ·K (stages 1-3: /N; offload: 0)
     total: float  # device bytes: params + grads + optimizer
-    host: float = 0.0  # offload: master and moments in host memory, Ψ·K/N
+    host: float = 0.0  # offload: master and optimizer state in host memory, Ψ·K/N
     transfer: float = 0.0  # offload: gradient shard down + compute shard up, Ψ·(gb + pb)/N
 
     def as_dict(self) -> dict[str, float]:
@@ -101,6 +102,8 @@ def estimate(
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
 
+    `optimizer_bytes` is K: the fp32 master and the optimizer state per param (Adam: 4 + 8).
+
     `offload="optimizer"` (stages 1-3) moves the optimizer bytes to `host` memory: the device
     keeps the compute params and gradients (stage 1: `2Ψ + 2Ψ`, the full gradient exists
     before its reduce-scatter; stage 2: `2Ψ + 2Ψ/N`; stage 3: `4Ψ/N`), the host `12Ψ/N`.
@@ -131,23 +134,30 @@ ADAM_BYTES = 8  # Adam's two fp32 moments
 
 
 def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str = "bfloat16",
-                   *, replica: int = 1, offload: str | None = None) -> MemoryEstimate:
-    """Per-device model-state bytes of a zerojax engine training with Adam in `param_dtype`.
+                   *, replica: int = 1, offload: str | None = None,
+                   optimizer_state_bytes: float = ADAM_BYTES) -> MemoryEstimate:
+    """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
+    optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
+    moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
 
-    `estimate` with the engine's byte sizes: params and grads in `param_dtype`; K = 12 (fp32
-    master + moments), except where the compute params are the fp32 master itself (float32 in
-    stages 0 and 3 keep no separate copy), where K = 8 and `params` is the master. bfloat16 and
-    float16 give the ZeRO paper's numbers. `total - grads` is what the engine keeps between
-    steps; gradients exist only inside the step. With `offload="optimizer"` the master and
-    moments (K = 12) are host bytes and the device always keeps a compute copy.
+    `estimate` with the engine's byte sizes: params and grads in `param_dtype`; K = 4 (fp32
+    master) + the optimizer state (Adam: K = 12), except where the compute params are the fp32
+    master itself (float32 in stages 0 and 3 keep no separate copy), where K is the optimizer
+    state alone and `params` is the master. bfloat16 and float16 with Adam give the ZeRO
+    paper's numbers. `total - grads` is what the engine keeps between steps; gradients exist
+    only inside the step. With `offload="optimizer"` the master and optimizer state are host
+    bytes and the device always keeps a compute copy.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
                             f"{sorted(DTYPES)}")
     size = jnp.dtype(DTYPES[param_dtype]).itemsize
     master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
+    _check(num_params, devices, stage, replica, offload,
+           optimizer_state_bytes=optimizer_state_bytes)
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
-                    optimizer_bytes=ADAM_BYTES + master, replica=replica, offload=offload)
+                    optimizer_bytes=optimizer_state_bytes + master, replica=replica,
+                    offload=offload)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -296,13 +306,17 @@ class Measurement:
     host_peak_bytes: int = 0  # the host_* figures of memory_analysis (0 where not reported)
     device_peak_bytes: int = 0  # peak_bytes less what lives in host memory
     split: str = "measured"  # how device/host were told apart: "measured" or "derived"
+    # The engine's optimizer state per param, master excluded, from its init (Adam: 8).
+    optimizer_state_bytes: float = ADAM_BYTES
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
-        """The analytic `state_estimate` and `comm_estimate` for this configuration."""
+        """The analytic `state_estimate` (with the engine's optimizer state) and
+        `comm_estimate` for this configuration."""
         kw = {"replica": self.replica}
         devices = self.devices * self.replica
         mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
-                             offload=self.offload, **kw)
+                             offload=self.offload,
+                             optimizer_state_bytes=self.optimizer_state_bytes, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes, **kw)
         return mem, comm
@@ -382,7 +396,17 @@ def measure_lowered(engine, lowered) -> Measurement:
         host_peak_bytes=host_peak,
         device_peak_bytes=device_peak,
         split=split,
+        optimizer_state_bytes=optimizer_state_size(engine).per_param,
     )
+
+
+def optimizer_state_size(engine) -> StateSize:
+    """What the engine's optimizer allocates for its logical fp32 params (from `init` on
+    shapes; the engine must know its units)."""
+    layout = engine.layout
+    params = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+                              for leaf in layout.leaves)
+    return state_size(engine.optimizer, params)
 
 
 def peaks(mem, host_state: int) -> tuple[int, int, int, str]:

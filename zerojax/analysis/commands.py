@@ -14,6 +14,8 @@ import re
 import sys
 
 from zerojax.analysis.accounting import (
+    ADAM_BYTES,
+    MASTER_BYTES,
     STAGES,
     EstimateError,
     comm_estimate,
@@ -32,8 +34,9 @@ from zerojax.analysis.console import (
     stages_arg,
 )
 from zerojax.analysis.largest import largest_main
-from zerojax.analysis.planning import LR, plan
+from zerojax.analysis.planning import LR, named_optimizer, plan
 from zerojax.config import OFFLOADS
+from zerojax.update.presets import OPTIMIZERS
 
 
 def estimate_main(argv: list[str]) -> int:
@@ -44,8 +47,13 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--replica", type=positive_arg, default=1, help="replica groups (hybrid)")
     p.add_argument("--param-bytes", type=float, default=2, help="bytes per compute param")
     p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element")
-    p.add_argument("--optimizer-bytes", type=float, default=12,
-                   help="K: fp32 master + Adam moments per param")
+    p.add_argument("--optimizer-bytes", type=float, default=None,
+                   help="K: fp32 master + Adam moments per param (default: 12); given, it wins "
+                        "over --optimizer")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="K = 4 (fp32 master) + the state this optimizer's init allocates on the "
+                        "GPT shape nearest --params (zerojax.analysis.largest.gpt_family); "
+                        "hyperparameters as in zerojax train --help")
     p.add_argument("--reduce-bytes", type=float, default=None,
                    help="bytes per reduced gradient element (default: --grad-bytes)")
     p.add_argument("--offload", choices=OFFLOADS, default=None,
@@ -54,8 +62,9 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     a = p.parse_args(argv)
     psi = int(a.params) if a.params == int(a.params) else a.params
+    k, source = _optimizer_bytes(p, a)
     mem_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
-                  optimizer_bytes=a.optimizer_bytes, replica=a.replica)
+                  optimizer_bytes=k, replica=a.replica)
     comm_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
                    reduce_bytes=a.reduce_bytes, replica=a.replica)
     try:
@@ -68,13 +77,37 @@ def estimate_main(argv: list[str]) -> int:
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if a.json:
-        print(json.dumps({"params": psi, "devices": a.devices, "stages": out}, indent=1))
+        print(json.dumps({"params": psi, "devices": a.devices, "optimizer": a.optimizer,
+                          "optimizer_bytes": k, "optimizer_bytes_from": source, "stages": out},
+                         indent=1))
     else:
         title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
         if a.offload:
-            title += "; total: device bytes, host: master + moments in host memory"
+            title += "; total: device bytes, host: master + optimizer state in host memory"
         print_table(title, rows)
+        if a.optimizer or a.optimizer_bytes is not None:
+            print(f"note: K = {k:.4g} bytes per param: {source}")
     return 0
+
+
+def _optimizer_bytes(p: Parser, a) -> tuple[float, str]:
+    """`estimate`'s K and where it comes from: --optimizer-bytes, else --optimizer's init on the
+    GPT shape nearest --params, else Adam's 12."""
+    if a.optimizer_bytes is not None:
+        return a.optimizer_bytes, "--optimizer-bytes"
+    if a.optimizer is None:
+        return MASTER_BYTES + ADAM_BYTES, "fp32 master + Adam moments"
+    if not a.params > 0:
+        p.error(f"--params {a.params:g}: --optimizer reads K from a GPT shape of about that "
+                f"many params; give a positive count")
+    from zerojax.analysis.largest import nearest_shape, state_per_param
+    from zerojax.models.gpt import GPT
+
+    name, cfg = nearest_shape(a.params)
+    k = state_per_param(named_optimizer(a.optimizer), cfg)
+    return MASTER_BYTES + k, (f"fp32 master 4 + {a.optimizer} state {k:.4g} read from its init "
+                              f"on {name} ({GPT(cfg).num_params() / 1e9:.3g}B params), the "
+                              f"GPT shape nearest Ψ")
 
 
 def _start_devices(p: Parser, devices: int) -> None:
@@ -111,6 +144,9 @@ def _model_args(p: Parser, model_required: bool = True) -> None:
                    help="global batch in sequences (default: devices x the largest grad_accum)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="compute dtype of params and gradients (master and moments: float32)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="whose state to count (from its init); hyperparameters as in zerojax "
+                        "train --help")
     p.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
 
 
@@ -135,9 +171,23 @@ def _assumptions(a, model, batch, **extra: str) -> dict[str, str]:
         "sequence length": str(c.seq_len),
         "params and grads": f"{dtype} (gradients reduced in {dtype})",
         "master params": master,
-        "optimizer": f"AdamW (lr {LR:g}), moments in float32",
+        "optimizer": _optimizer_fact(a.optimizer, model),
         **extra,
     }
+
+
+def _optimizer_fact(name: str, model) -> str:
+    """The optimizer line of the assumptions: its state per param, read from its init."""
+    if name == "adamw":
+        return f"AdamW (lr {LR:g}), moments in float32"
+    import jax
+
+    from zerojax.update.presets import STATE, TITLE, state_size
+
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    k = state_size(named_optimizer(name), params).per_param
+    return (f"{TITLE[name]} (lr {LR:g}), {STATE[name]} in float32: {k:.4g} bytes per param "
+            f"(read from its init; AdamW: 8)")
 
 
 def _label(stage: int, remat: bool, accum: int, offload: str | None = None) -> str:
@@ -161,8 +211,6 @@ def measure_main(argv: list[str]) -> int:
     if a.offload and 0 in a.stage:
         p.error(f"--offload {a.offload} needs stages 1-3; drop stage 0 (e.g. --stage 1,2,3)")
     _start_devices(p, a.devices)
-    import optax
-
     from zerojax.analysis.accounting import lower, measure_lowered
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
@@ -180,7 +228,7 @@ def measure_main(argv: list[str]) -> int:
                          grad_accum=a.grad_accum, offload=a.offload)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
-            engine = Engine(model, optax.adamw(LR), make_mesh(data=a.devices), cfg)
+            engine = Engine(model, named_optimizer(a.optimizer), make_mesh(data=a.devices), cfg)
             progress(label, "lowering", i)
             lowered = lower(engine, batch)
             progress(label, "compiling", i)
@@ -197,13 +245,16 @@ def measure_main(argv: list[str]) -> int:
             out.append({**m.as_dict(), "estimate": {"memory": mem.as_dict(),
                                                     "comm": comm.as_dict()}})
         print(json.dumps({"model": a.model, "devices": a.devices, "memory": a.memory,
-                          "assumptions": facts, "measurements": out}, indent=1))
+                          "optimizer": a.optimizer, "assumptions": facts,
+                          "measurements": out}, indent=1))
         return 0
     rows = []
     for m in results:
         mem, comm = m.estimates()
         row = {"stage": m.stage, "state": format_bytes(m.state["total"]),
                "state formula": format_bytes(mem.total - mem.grads + mem.host),
+               "master+opt": format_bytes(m.state["master"] + m.state["optimizer"]),
+               "master+opt formula": format_bytes(mem.optimizer + mem.host),
                "temp": format_bytes(m.temp_bytes), "peak": format_bytes(m.peak_bytes),
                "sent": format_bytes(m.collective_bytes["total"]),
                "sent formula": format_bytes(comm.total),
@@ -217,7 +268,8 @@ def measure_main(argv: list[str]) -> int:
             row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
         rows.append(row)
     n = results[0].num_params if results else 0
-    print_table(f"{a.model} ({n:,} params), {a.devices} devices, per device; state formula "
+    print_table(f"{a.model} ({n:,} params), {a.devices} devices, {a.optimizer}, per device; "
+                f"master+opt: the fp32 master and the optimizer state; state formula "
                  f"excludes grads (they live in temp); sent: bytes per step in "
                  f"{a.param_dtype}, compiled: as this backend sends them"
                  + ("; split: device/host peak measured by the compiler or derived from the "
@@ -272,7 +324,8 @@ def plan_main(argv: list[str]) -> int:
     print_assumptions(f"zerojax plan: {a.model} on {a.devices} devices", facts)
     progress = Progress(count)
     try:
-        result = plan(model, a.devices, a.memory, batch, param_dtype=a.param_dtype,
+        result = plan(model, a.devices, a.memory, batch, optimizer=named_optimizer(a.optimizer),
+                      param_dtype=a.param_dtype,
                       stages=a.stages, remat=remat, grad_accum=a.grad_accum,
                       offload=a.offload == "auto",
                       progress=lambda c, phase, i, n: progress(
@@ -286,7 +339,8 @@ def plan_main(argv: list[str]) -> int:
         cands = f"{cands} + {more} with offload (nothing fit without it)"
     print(f"searched {cands} in {seconds:.0f} s", file=sys.stderr)
     if a.json:
-        print(json.dumps({"model": a.model, "assumptions": facts, **result.as_dict()}, indent=1))
+        print(json.dumps({"model": a.model, "optimizer": a.optimizer, "assumptions": facts,
+                          **result.as_dict()}, indent=1))
         return 0 if result.best else 1
     fmt = lambda v: "-" if v is None else format_bytes(v)
     rows = [{"stage": c.stage, "remat": "on" if c.remat else "off", "accum": c.grad_accum,

@@ -5,13 +5,21 @@ estimate); and the `plan --largest` command that prints it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import sys
 from typing import Any
 
-from zerojax.analysis.accounting import STAGES, EstimateError, format_bytes, state_estimate
+from zerojax.analysis.accounting import (
+    ADAM_BYTES,
+    STAGES,
+    EstimateError,
+    format_bytes,
+    state_estimate,
+)
 from zerojax.analysis.console import print_assumptions, print_table
+from zerojax.analysis.planning import named_optimizer
 
 # GPT-3's shapes (Brown et al. 2020, table 2.1; 16 heads of 128 for 1.3B, whose table row is not
 # a whole head width) with d_ff = 4d, beside the presets; vocabulary and sequence length of the
@@ -36,6 +44,28 @@ def gpt_family(vocab_size: int = 32000, seq_len: int = 2048) -> dict[str, Any]:
         shapes[name] = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, d_model=d,
                                  n_heads=heads, n_layers=layers, d_ff=4 * d)
     return dict(sorted(shapes.items(), key=lambda kv: GPT(kv[1]).num_params()))
+
+
+def nearest_shape(num_params: float) -> tuple[str, Any]:
+    """The shape of `gpt_family()` whose parameter count is nearest `num_params` (by ratio)."""
+    import math
+
+    from zerojax.models.gpt import GPT
+
+    return min(gpt_family().items(),
+               key=lambda kv: abs(math.log(GPT(kv[1]).num_params() / num_params)))
+
+
+@functools.lru_cache(maxsize=256)
+def state_per_param(optimizer, cfg) -> float:
+    """Bytes per param of the state `optimizer` allocates for the GPT `cfg` (read from its
+    init on abstract params: nothing is allocated)."""
+    import jax
+
+    from zerojax.models.gpt import GPT
+    from zerojax.update.presets import state_size
+
+    return state_size(optimizer, jax.eval_shape(GPT(cfg).init, jax.random.key(0))).per_param
 
 
 def _itemsize(param_dtype: str) -> int:
@@ -76,7 +106,7 @@ class Fit:
     """The estimated per-device peak of one GPT shape at one stage: model state (params, grads,
     optimizer: `state_estimate`) + activations (`activation_bytes`) + stage 3's gathered unit
     (its compute params and their gradient, for the largest unit). With offload, `state` and
-    `peak` are device bytes and the master and moments are `host` bytes."""
+    `peak` are device bytes and the master and optimizer state are `host` bytes."""
 
     name: str
     num_params: int
@@ -87,8 +117,9 @@ class Fit:
     gathered: float
     peak: float
     offload: str | None = None
-    host: float = 0.0  # offload: master + moments in host memory, per device
+    host: float = 0.0  # offload: master + optimizer state in host memory, per device
     transfer: float = 0.0  # offload: host<->device bytes per step, per device
+    optimizer_state_bytes: float = ADAM_BYTES  # per param, master excluded
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,27 +127,32 @@ class Fit:
 
 def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int,
                  param_dtype: str = "bfloat16", remat: bool = True,
-                 offload: str | None = None) -> Fit:
-    """`Fit` of the GPT `cfg` (called `name`) on `devices` at `stage`."""
+                 offload: str | None = None, optimizer_state_bytes: float = ADAM_BYTES) -> Fit:
+    """`Fit` of the GPT `cfg` (called `name`) on `devices` at `stage`, with an optimizer state
+    of `optimizer_state_bytes` per param (default: Adam's 8)."""
     from zerojax.models.gpt import GPT
 
     psi = GPT(cfg).num_params()
-    mem = state_estimate(psi, devices, stage, param_dtype, offload=offload)
+    mem = state_estimate(psi, devices, stage, param_dtype, offload=offload,
+                         optimizer_state_bytes=optimizer_state_bytes)
     state = mem.total
     act = activation_bytes(cfg, batch_per_device, param_dtype, remat)["total"]
     # Stage 3 gathers one unit at a time: the largest is a layer or the vocabulary table.
     unit = max(cfg.layer_params, cfg.vocab_size * cfg.d_model)
     gathered = 2 * unit * _itemsize(param_dtype) if stage == 3 and devices > 1 else 0
     return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
-               mem.host, mem.transfer)
+               mem.host, mem.transfer, optimizer_state_bytes)
 
 
 def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             param_dtype: str = "bfloat16", stages=STAGES, remat=(True, False),
             family: dict[str, Any] | None = None, offload: str | None = None,
-            host_memory: float | None = None) -> list[dict[str, Any]]:
+            host_memory: float | None = None, optimizer=None) -> list[dict[str, Any]]:
     """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
     estimated peak fits `device_memory`, and the next larger one, which does not.
+
+    The optimizer state per param is read from `optimizer`'s init on each shape (None: Adam's
+    8 bytes, which is what AdamW's init gives on every shape).
 
     With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
     device memory; `host_memory`, if given, must also hold each device's host bytes.
@@ -124,12 +160,14 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     only.
     """
     family = gpt_family() if family is None else family
+    k = {n: ADAM_BYTES if optimizer is None else state_per_param(optimizer, c)
+         for n, c in family.items()}
     rows = []
     for stage, rm in itertools.product(stages, remat):
         if offload is not None and stage == 0:
             continue
-        fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload)
-                for n, c in family.items()]
+        fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload,
+                             k[n]) for n, c in family.items()]
         ok = [f for f in fits if f.peak <= device_memory
               and (host_memory is None or f.host <= host_memory)]
         best = max(ok, key=lambda f: f.num_params) if ok else None
@@ -138,6 +176,18 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
         rows.append({"stage": stage, "remat": rm, "offload": offload, "fits": best,
                      "next": min(bigger, key=lambda f: f.num_params) if bigger else None})
     return rows
+
+
+def _optimizer_fact(name: str, optimizer, family) -> str:
+    if optimizer is None:
+        return ("AdamW, moments in float32 (state: zerojax.analysis.accounting.state_estimate, "
+                "grads included)")
+    from zerojax.update.presets import STATE, TITLE
+
+    ks = [state_per_param(optimizer, c) for c in family.values()]
+    return (f"{TITLE[name]}, {STATE[name]} in float32: K = {min(ks):.4g} to {max(ks):.4g} "
+            f"bytes per param over the shapes, read from its init (AdamW: 8); state: "
+            f"zerojax.analysis.accounting.state_estimate, grads included")
 
 
 def largest_main(p, a) -> int:
@@ -151,8 +201,10 @@ def largest_main(p, a) -> int:
     b = batch // a.devices
     remat = {"both": (True, False), "on": (True,), "off": (False,)}[a.remat]
     family = gpt_family()
+    # AdamW's init gives Adam's 8 bytes per param on every shape: None says so, at no cost.
+    optimizer = None if a.optimizer == "adamw" else named_optimizer(a.optimizer)
     kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
-              family=family)
+              family=family, optimizer=optimizer)
     try:
         rows = largest(a.devices, a.memory, **kw)
         off = {} if a.offload == "off" else {
@@ -171,8 +223,7 @@ def largest_main(p, a) -> int:
         "params and grads": f"{dtype}",
         "master params": "float32" if dtype != "float32" else
                          "the float32 params themselves in stages 0 and 3",
-        "optimizer": "AdamW, moments in float32 (state: zerojax.analysis.accounting."
-                     "state_estimate, grads included)",
+        "optimizer": _optimizer_fact(a.optimizer, optimizer, family),
         "activations": "Korthikanti et al. 2022 per layer, b·T·d·(34 + 5·a·T/d) at 2 bytes "
                        "(scaled to the dtype; attention scores counted, as XLA's attention "
                        "keeps them), the logits in compute dtype + float32 log-softmax and "
@@ -190,7 +241,8 @@ def largest_main(p, a) -> int:
         facts["offload"] = (
             "the + offload columns: stages 1-3 with offload='optimizer': the device holds the "
             "compute params, gradients and activations (peak); the host holds the float32 "
-            "master and Adam moments, 12 bytes x Ψ/N per device, "
+            + ("master and Adam moments, 12 bytes x Ψ/N per device, " if optimizer is None else
+               "master and the optimizer state, (4 + K) bytes x Ψ/N per device, ")
             + (f"at most {format_bytes(a.host_memory)}" if a.host_memory else "not limited")
             + "; each step the gradient shard goes down and the compute shard comes up")
     print_assumptions(f"zerojax plan --largest: {a.devices} devices with "

@@ -15,7 +15,18 @@ from zerojax.analysis.accounting import (
 )
 
 TIE = 0.01  # communication within 1% of the least counts as equal
-LR = 3e-4  # the AdamW that `plan` and `measure` assume (the state does not depend on it)
+# The learning rate and weight decay (train's default) of the optimizers `plan` and `measure`
+# build; the state an optimizer allocates depends on neither.
+LR = 3e-4
+WEIGHT_DECAY = 0.1
+
+
+def named_optimizer(name: str):
+    """The `zerojax.update.presets` optimizer `name` as `plan` and `measure` build it (at `LR`
+    and train's default weight decay: what it allocates depends on neither)."""
+    from zerojax.update.presets import build
+
+    return build(name, LR, weight_decay=WEIGHT_DECAY)
 
 
 @dataclasses.dataclass

@@ -11,13 +11,14 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import tyro
 
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
 from zerojax.models import PRESETS
+from zerojax.update.presets import HELP, OPTIMIZERS
 
 CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 
@@ -25,6 +26,11 @@ CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
               "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
+
+
+OPTIMIZER_HELP = ("Default adamw; a resume continues with the saved one. "
+                  + " ".join(f"{name}: {text}." for name, text in HELP.items())
+                  + " All take --lr and --weight-decay.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +51,11 @@ class TrainConfig:
     """Global batch in sequences, over all processes and devices."""
     seq_len: int | None = None
     """Tokens per sequence; default and maximum: the preset's context length."""
+    optimizer: Annotated[Literal["adamw", "lion", "adafactor", "muon", "lamb", "sgd"] | None,
+                         tyro.conf.arg(help=OPTIMIZER_HELP)] = None
+    """The optimizer (default adamw; a resume continues with the saved one); see --help."""
     lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate."""
     warmup: int = 10
     """Linear warm-up steps up to --lr."""
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -54,19 +63,19 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule, as a fraction of --lr."""
     weight_decay: float = 0.1
-    """AdamW weight decay of matrices and embeddings (not biases or LayerNorm)."""
+    """Weight decay of matrices and embeddings, not biases or LayerNorm (muon: its matrices)."""
     grad_accum: int = 1
     """Micro-batches per step (each device's batch is split this many ways)."""
     clip_norm: float | None = 1.0
     """Clip gradients to this global norm; None disables clipping."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of params and grads (masters, Adam: fp32; float16: loss scaling)."""
+    """Compute dtype of params and grads (masters, optimizer: fp32; float16: loss scaling)."""
     remat: bool = True
     """Recompute each layer in backward instead of saving its activations."""
     prefetch: bool = False
     """Stage 3: gather layer i+1's parameters while layer i computes."""
     offload: Literal["optimizer"] | None = None
-    """optimizer: keep the fp32 master and Adam moments in host memory (stages 1-3)."""
+    """optimizer: keep the fp32 master and optimizer state in host memory (stages 1-3)."""
     out: str = "runs/train"
     """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
     save_every: int = 0
@@ -172,6 +181,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.model not in PRESETS:
         raise UsageError(f"unknown GPT preset --model={cfg.model!r}; choose one of "
                          f"{', '.join(PRESETS)}")
+    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
+        raise UsageError(f"unknown --optimizer={cfg.optimizer!r}; choose one of "
+                         f"{', '.join(OPTIMIZERS)}")
     if cfg.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage={cfg.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1 or cfg.weight_decay < 0:
@@ -203,8 +215,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                          f"stage 0 has no optimizer shard to offload")
     if not cfg.out.strip():
         raise UsageError("--out is empty; name a run directory, e.g. --out runs/train")
-    return dataclasses.replace(cfg, seq_len=seq_len,
-                               resume=cfg.resume or cfg.resume_step is not None)
+    resume = cfg.resume or cfg.resume_step is not None
+    # A resume takes the saved optimizer (`resume_optimizer`), which only the checkpoint knows.
+    optimizer = cfg.optimizer if resume else cfg.optimizer or "adamw"
+    return dataclasses.replace(cfg, seq_len=seq_len, resume=resume, optimizer=optimizer)
 
 
 def flag(name: str) -> str:
@@ -371,17 +385,22 @@ def make_schedule(cfg: TrainConfig):
 
 
 def make_optimizer(cfg: TrainConfig):
-    """AdamW with linear warm-up then cosine (or constant); returns (optimizer, schedule)."""
-    import optax
+    """The `--optimizer` preset (`zerojax.update.presets.build`) with linear warm-up then
+    cosine (or constant); returns (optimizer, schedule)."""
+    from zerojax.update.presets import build
 
     schedule = make_schedule(cfg)
-    # Leaves keep their names in the engine's flat layout, so the mask goes by name, not ndim.
-    decay = lambda params: _map_names(params, lambda name: name in ("kernel", "tok", "pos"))
-    opt = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay)
-    return opt, schedule
+    return build(cfg.optimizer or "adamw", schedule, weight_decay=cfg.weight_decay), schedule
 
 
-def _map_names(tree, fn):
-    import jax
-
-    return jax.tree_util.tree_map_with_path(lambda path, _: fn(str(path[-1].key)), tree)
+def resume_optimizer(cfg: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
+    """`cfg` with the optimizer of the run it resumes (`saved`: the checkpoint's train_config;
+    runs from before --optimizer used adamw): a resume continues the saved optimizer state, so
+    another `--optimizer` is refused."""
+    was = (saved.get("optimizer") or "adamw") if saved else cfg.optimizer or "adamw"
+    if cfg.optimizer is not None and cfg.optimizer != was:
+        raise UsageError(f"--optimizer {cfg.optimizer}: the run in {cfg.out!r} was trained with "
+                         f"--optimizer {was}, whose state {cfg.optimizer} cannot continue; "
+                         f"resume without --optimizer (or with --optimizer {was}), or start a "
+                         f"new run in another --out")
+    return dataclasses.replace(cfg, optimizer=was)

@@ -30,6 +30,7 @@ from zerojax.analysis.accounting import (
     shares_master,
     state_estimate,
 )
+from zerojax.update.presets import STATE, TITLE
 
 
 def make_console(quiet: bool) -> Console:
@@ -71,7 +72,9 @@ class RunEstimate:
     memory: MemoryEstimate  # `state_estimate`: grads included, though the state holds none
     param_dtype: str
     shared_master: bool  # the compute params are the fp32 master (no separate copy)
-    offload: str | None = None  # master and moments in host memory (`memory.host`)
+    offload: str | None = None  # master and optimizer state in host memory (`memory.host`)
+    optimizer: str = "adamw"  # a name of `presets.OPTIMIZERS`
+    state_bytes: float = ADAM_BYTES  # the optimizer state per param (from its init)
 
     @property
     def state(self) -> float:
@@ -80,7 +83,13 @@ class RunEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.memory.as_dict(), "state": self.state, "param_dtype": self.param_dtype,
-                "shared_master": self.shared_master, "offload": self.offload}
+                "shared_master": self.shared_master, "offload": self.offload,
+                "optimizer": self.optimizer, "optimizer_state_bytes": self.state_bytes}
+
+    @property
+    def held(self) -> str:
+        """What the optimizer state holds, e.g. "Adam moments"."""
+        return STATE.get(self.optimizer, f"{self.optimizer} state")
 
 
 def memory_rows(estimate: RunEstimate, measured: int,
@@ -88,24 +97,26 @@ def memory_rows(estimate: RunEstimate, measured: int,
     """Per-device model-state bytes: the estimate by component and the measured state arrays
     (`measured` counts every array; `measured_host` those in host memory)."""
     m, dtype, fmt = estimate.memory, estimate.param_dtype, format_bytes
+    share = MASTER_BYTES / (MASTER_BYTES + estimate.state_bytes)  # the master's part of K
     if estimate.offload:
-        master = m.host * MASTER_BYTES / (MASTER_BYTES + ADAM_BYTES)
+        master = m.host * share
         return [
             ("memory/device", f"{fmt(estimate.state)} estimated in device memory = {dtype} "
                               f"params {fmt(m.params)}"),
             ("memory/host", f"{fmt(m.host)} estimated in host memory (offload) = float32 "
-                            f"master {fmt(master)} + Adam moments {fmt(m.host - master)}"),
+                            f"master {fmt(master)} + {estimate.held} {fmt(m.host - master)}"),
             ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
                  f"this device's shards of the state"),
             ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs; "
                  f"{fmt(m.transfer)} host<->device per step"),
         ]
     if estimate.shared_master:
-        held = f"{dtype} params {fmt(m.params)} (the master) + Adam moments {fmt(m.optimizer)}"
+        held = (f"{dtype} params {fmt(m.params)} (the master) + {estimate.held} "
+                f"{fmt(m.optimizer)}")
     else:
-        master = m.optimizer * MASTER_BYTES / (MASTER_BYTES + ADAM_BYTES)
-        held = (f"{dtype} params {fmt(m.params)} + float32 master {fmt(master)} + Adam moments "
-                f"{fmt(m.optimizer - master)}")
+        master = m.optimizer * share
+        held = (f"{dtype} params {fmt(m.params)} + float32 master {fmt(master)} + "
+                f"{estimate.held} {fmt(m.optimizer - master)}")
     return [
         ("memory/device", f"{fmt(estimate.state)} estimated = {held}"),
         ("", f"{fmt(measured)} measured: this device's shards of the state"),
@@ -233,13 +244,15 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(clean(obj), indent=2) + "\n")
 
 
-def estimate_for(num_params: int, devices: int, stage: int, cfg) -> RunEstimate:
-    """This run's per-device model-state bytes by formula (`state_estimate`, Adam)."""
+def estimate_for(num_params: int, devices: int, stage: int, cfg,
+                 state_bytes: float = ADAM_BYTES) -> RunEstimate:
+    """This run's per-device model-state bytes by formula (`state_estimate`) for its optimizer
+    (`cfg.optimizer`, default adamw) whose state takes `state_bytes` per param."""
     offload = getattr(cfg, "offload", None)
     memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
-                            offload=offload)
+                            offload=offload, optimizer_state_bytes=state_bytes)
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
-                       offload)
+                       offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes)
 
 
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
@@ -264,8 +277,8 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
         ("batch", f"{cfg.batch} × {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
                   f"tokens/step ({per_device} sequences per device)"),
-        ("optimizer", f"AdamW lr {cfg.lr:g}, {cfg.warmup} warm-up steps, {sched}, "
-                      f"weight decay {cfg.weight_decay:g}"),
+        ("optimizer", f"{TITLE[cfg.optimizer]} lr {cfg.lr:g}, {cfg.warmup} warm-up steps, "
+                      f"{sched}, weight decay {cfg.weight_decay:g}"),
         ("data", data),
         ("steps", f"{cfg.steps}" + (f" (resuming at {start})" if start else "")),
         ("out", cfg.out),

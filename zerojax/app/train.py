@@ -31,6 +31,7 @@ from zerojax.app.options import (
     make_optimizer,
     make_schedule,
     parse_args,
+    resume_optimizer,
     saved_config,
     supersede_steps,
     validate,
@@ -162,6 +163,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
+    from zerojax.analysis.accounting import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
     from zerojax.config import ZeroConfig
@@ -185,6 +187,14 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
                       clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
                       offload=cfg.offload)
+    if cfg.resume:  # before the optimizer is built: a resume continues the saved one
+        from zerojax.checkpoint import read_metadata
+
+        try:
+            saved = read_metadata(ckpt, cfg.resume_step)["extra"].get("train_config", {})
+        except CheckpointError as e:
+            raise CheckpointError(intact_hint(e, "--resume-step")) from None
+        cfg = resume_optimizer(cfg, saved)
     optimizer, schedule = make_optimizer(cfg)
     engine = Engine(model, optimizer, mesh, zcfg)
 
@@ -230,7 +240,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured = report.state_bytes_per_device(state, mine)
     measured_host = report.state_bytes_per_device(state, mine, host=True)
-    estimate = report.estimate_for(num_params, len(devices), stage, cfg)
+    estimate = report.estimate_for(num_params, len(devices), stage, cfg,
+                                   optimizer_state_size(engine).per_param)
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.memory_rows(estimate, measured, measured_host)
