@@ -263,14 +263,28 @@ class ShardedUpdate:
         return self.stored(self.optimizer.init(params))
 
     def report(self, finite: bool = False) -> dict:
-        """What the update costs: collectives per round and the whole-tensor work."""
+        """What the update adds to a step: per round, its fused collectives (kind, dtype,
+        elements per device); the owner groups of whole-matrix work (instances, per owner,
+        split by layer); the primitives that assembled a leaf on every device; how many
+        state leaves are sharded and how many replicated."""
         prog, _, planner = self.program(finite)
-        comms = [(op.kind, tuple(planner.aval[op.ins[0]].shape)) for op in prog.collectives]
-        return {"rounds": sum(1 for _, c in prog.rounds if c), "collectives": comms,
-                "assembled": sorted(set(planner.whole_ops)),
-                "flat_state": sum(isinstance(r, Flat) for r in self.state_reps),
-                "replicated_state": sum(not isinstance(r, Flat) for r in self.state_reps)}
-
+        rounds = []
+        for _, comms in prog.rounds:
+            fused: dict = {}
+            for op in comms:
+                aval = planner.aval[op.ins[0]]
+                key = (op.kind, str(aval.dtype))
+                fused[key] = fused.get(key, 0) + math.prod(aval.shape)
+            if fused:
+                rounds.append([{"kind": k, "dtype": d, "elements": n}
+                               for (k, d), n in fused.items()])
+        groups = planner.hooks.groups if planner.hooks is not None else []
+        return {"rounds": rounds, "owner_groups": [
+                    {"instances": m, "per_owner": c, "by_layer": lay} for m, c, lay in groups],
+                "assembled": sorted(set(planner.whole_ops + prog.whole_ops)),
+                "control_flow_with_collectives": len(prog.syncs),
+                "state": {"sharded": sum(isinstance(r, Flat) for r in self.state_reps),
+                          "replicated": sum(not isinstance(r, Flat) for r in self.state_reps)}}
 
 
 def _pad(x, rep: Flat):
