@@ -47,6 +47,7 @@ FLOOR = "floor"  # N independent replicas, no communication: the work any step m
 OFFLOAD = "stage3_offload"  # stage 3 with the optimizer state in host memory
 WARMUP_STEPS = 2  # after the compiling call
 LR = 3e-4
+OPTIMIZER_CHOICES = ("adamw", "clip-adamw", "lamb", "adafactor", "muon")
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity), matched in this order as substrings of
 # `jax.devices()[0].device_kind` (e.g. "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA GH200
 # 480GB" matches h200's 989); --peak-flops overrides.
@@ -69,6 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in backward, in every variant")
     p.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip, every variant")
+    p.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="adamw",
+                   help="adamw: the engine clips (ZeroConfig.clip_norm), the baselines clip in "
+                        "an optax chain; the others (an optax clip_by_global_norm chained "
+                        "before the optimizer, as users write it) run the same optax chain in "
+                        "every variant; muon adds stage1_replicated / stage3_replicated (its "
+                        "Newton-Schulz on every device, not on owners)")
     p.add_argument("--variants", nargs="+", default=None,
                    help="subset to run (the baseline always runs)")
     p.add_argument("--baseline", default=BASELINE,
@@ -131,18 +138,32 @@ class Variant:
 
 
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
-                 offload=None) -> Variant:
-    cfg = zj.ZeroConfig(stage=stage, param_dtype=args.param_dtype, clip_norm=args.clip_norm,
-                        remat=args.remat, prefetch=prefetch, offload=offload)
-    engine = zj.Engine(model, optax.adamw(LR), mesh, cfg)
+                 offload=None, owners=True) -> Variant:
+    own_clip = args.optimizer == "adamw"  # the engine clips; otherwise the optax chain does
+    cfg = zj.ZeroConfig(stage=stage, param_dtype=args.param_dtype, remat=args.remat,
+                        clip_norm=args.clip_norm if own_clip else None, prefetch=prefetch,
+                        offload=offload)
+    engine = zj.Engine(model, optax.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
+                       owners=owners)
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)
     return Variant(name, engine.step, state, batch, lambda: engine.lower(None, batch))
 
 
+def named_tx(args) -> optax.GradientTransformation:
+    if args.optimizer in ("adamw", "clip-adamw"):
+        return optax.adamw(LR)
+    if args.optimizer == "lamb":
+        return optax.lamb(LR)
+    if args.optimizer == "adafactor":
+        return optax.adafactor(LR)
+    from zerojax.update.presets import build
+    return build("muon", LR, weight_decay=0.0)
+
+
 def plain_tx(args) -> optax.GradientTransformation:
-    """The engine's optimizer plus the clipping the engine does itself."""
-    return optax.chain(optax.clip_by_global_norm(args.clip_norm), optax.adamw(LR))
+    """The optimizer with the global-norm clip in front (the engine's own clip for adamw)."""
+    return optax.chain(optax.clip_by_global_norm(args.clip_norm), named_tx(args))
 
 
 def fsdp_spec(shape, n: int, first: int = 0) -> P:
@@ -187,10 +208,12 @@ def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
             lambda path, a: NamedSharding(mesh, fsdp_spec(
                 a.shape, n, 1 if jax.tree_util.keystr(path[:1]) == "['blocks']" else 0)),
             abstract)
-        o_sh = optax.tree_map_params(
-            tx, lambda _, s: s, opt_abstract, p_sh,
-            transform_non_params=lambda _: NamedSharding(mesh, P()),
-            is_leaf=lambda x: isinstance(x, NamedSharding))
+        # Every optimizer-state leaf sharded as a param of its shape would be (its largest
+        # divisible axis; a stacked block's layer axis never), whatever the optimizer.
+        o_sh = jax.tree_util.tree_map_with_path(
+            lambda path, a: NamedSharding(mesh, fsdp_spec(
+                a.shape, n, 1 if "'blocks'" in jax.tree_util.keystr(path) and a.ndim > 2
+                else 0)), opt_abstract)
         b_sh, out_sh = NamedSharding(mesh, P(DATA)), NamedSharding(mesh, P())
         batch = jax.device_put(host_batch, b_sh)
 
@@ -244,6 +267,11 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
         OFFLOAD: lambda: zero_variant(OFFLOAD, model, mesh, args, host_batch, 3,
                                       offload="optimizer"),
     }
+    if args.optimizer == "muon":
+        for s in (1, 3):
+            makers[f"stage{s}_replicated"] = (
+                lambda s=s: zero_variant(f"stage{s}_replicated", model, mesh, args, host_batch,
+                                         s, owners=False))
     n = mesh.shape[DATA]
     if n == 1:
         makers["optax_single"] = lambda: optax_variant("optax_single", model, None, args,
@@ -586,7 +614,8 @@ def main(argv=None) -> dict:
     result = {
         "config": {**{k: getattr(args, k) for k in ("preset", "param_dtype", "repeats",
                                                     "steps_per_repeat", "remat", "clip_norm",
-                                                    "overlap", "profile", "sequential")},
+                                                    "optimizer", "overlap", "profile",
+                                                    "sequential")},
                    "devices": n, "batch": batch_size, "seq_len": c.seq_len,
                    "num_params": model.num_params(), "flops_per_token": model.flops_per_token(),
                    "peak_flops": peak, "flops_formula": FLOPS_FORMULA,

@@ -93,13 +93,30 @@ OPTIMIZERS = {
     "sgd+momentum": lambda: optax.sgd(1e-2, momentum=0.9),
     "lion": lambda: optax.lion(1e-3),
 }
-BUNDLES = [list(OPTIMIZERS)[i::4] for i in range(4)]
+# Four bundles of about nine; the first holds the states a checkpoint test restores (factored
+# statistics, Muon's momentum, a noise key, injected hyperparameters, MultiSteps' accumulators,
+# copies of the initial params).
+BUNDLES = [
+    ["adafactor", "muon", "noisy_sgd", "inject_hyperparams", "MultiSteps", "prodigy",
+     "schedule_free_adamw", "sm3", "adagrad"],
+    ["clip+adamw", "lamb", "clip_by_block_rms", "centralize", "flatten(adam)", "dog",
+     "apply_if_finite", "adabelief", "lion"],
+    ["clip+adamw(mask fn)", "lars", "scale_by_param_block_rms", "adaptive_grad_clip",
+     "whole-matrix custom", "dadapt_adamw", "polyak_sgd", "amsgrad", "rmsprop"],
+    ["fromage", "normalize_by_update_norm", "novograd", "mechanize", "nadamw", "radam", "yogi",
+     "sgd+momentum"],
+]
+assert sorted(n for b in BUNDLES for n in b) == sorted(OPTIMIZERS)
 NO_SCALARS = {"sm3"}  # optax's sm3 keeps one accumulator per axis: a scalar has none ((1,))
+# Elementwise updates see no shapes: one matrix is enough (the others also get a scanned stack).
+ELEMENTWISE = {"adagrad", "adabelief", "amsgrad", "rmsprop", "nadamw", "radam", "yogi",
+               "sgd+momentum", "lion", "inject_hyperparams", "schedule_free_adamw"}
 
 
 class Bundle:
-    """One small model per optimizer: a matrix, a scalar temperature and a 2-layer scanned
-    stack, of sizes that no N here divides (every leaf is padded)."""
+    """One small model per optimizer: a matrix, a scalar temperature and (unless the optimizer
+    is elementwise) a 2-layer scanned stack, of sizes that no N here divides (every leaf is
+    padded)."""
 
     def __init__(self, names):
         self.names = tuple(names)
@@ -109,8 +126,9 @@ class Bundle:
         for i, name in enumerate(self.names):
             k = jax.random.split(jax.random.fold_in(rng, i))
             out[name] = {"w": 0.4 * jax.random.normal(k[0], (5, 7)),
-                         "stack": 0.3 * jax.random.normal(k[1], (2, 7, 7)),
                          "t": jnp.ones(() if name not in NO_SCALARS else (1,))}
+            if name not in ELEMENTWISE:
+                out[name]["stack"] = 0.3 * jax.random.normal(k[1], (2, 7, 7))
         return out
 
     def loss(self, params, batch, units):
@@ -118,7 +136,8 @@ class Bundle:
         for name in self.names:
             p = units.gather({k: v for k, v in params[name].items() if k != "stack"})
             h = jnp.tanh(batch["x"] @ p["w"])
-            h = units.scan(lambda h, s: jnp.tanh(h @ s) + h, h, params[name]["stack"])
+            if "stack" in params[name]:
+                h = units.scan(lambda h, s: jnp.tanh(h @ s) + h, h, params[name]["stack"])
             total = total + jnp.mean((jnp.sum(h, -1) * p["t"] - batch["y"]) ** 2)
         return total
 
@@ -165,14 +184,30 @@ def assert_matches(bundle, losses, params):
     assert max(off.values()) <= MOVE_RTOL, {n: f"{v:.2g}" for n, v in off.items()}
 
 
-def run(bundle, mesh_kw, cfg, steps=STEPS):
-    """(per-step losses, final params, engine, state) of the engine on the table's batches."""
-    engine = zj.Engine(Bundle(BUNDLES[bundle]), bundled(BUNDLES[bundle]),
-                       zj.make_mesh(**mesh_kw), zj.ZeroConfig(**cfg))
+CONFIGS = {
+    "stage0-n4": ({"data": 4}, {"stage": 0}),
+    "stage1-n3": ({"data": 3}, {"stage": 1}),
+    "stage2-n4": ({"data": 4}, {"stage": 2}),
+    "stage3-hybrid2x2-accum2-offload": ({"replica": 2, "data": 2},
+                                        {"stage": 3, "grad_accum": 2, "offload": "optimizer"}),
+}
+
+
+@functools.cache
+def engine(bundle, config):
+    """The bundle's engine for `config` (one per test process: its compiled step is reused)."""
+    mesh_kw, cfg = CONFIGS[config]
+    return zj.Engine(Bundle(BUNDLES[bundle]), bundled(BUNDLES[bundle]), zj.make_mesh(**mesh_kw),
+                     zj.ZeroConfig(**cfg))
+
+
+def run(bundle, config, steps=STEPS):
+    """(per-step losses, final params, state) of the bundle's engine on the table's batches."""
+    eng = engine(bundle, config)
     bs = batches()[:steps]
-    state = engine.init(jax.random.key(0), bs[0])
+    state = eng.init(jax.random.key(0), bs[0])
     losses = []
     for b in bs:
-        state, m = engine.step(state, b)
+        state, m = eng.step(state, b)
         losses.append(float(m["loss"]))
-    return np.array(losses), engine.params(state), engine, state
+    return np.array(losses), eng.params(state), state

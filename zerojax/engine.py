@@ -40,7 +40,9 @@ class Engine:
     """Trains `model` with `optimizer` under ZeRO `config.stage` on `mesh`."""
 
     def __init__(self, model, optimizer: optax.GradientTransformation, mesh,
-                 config: ZeroConfig | None = None):
+                 config: ZeroConfig | None = None, *, owners: bool = True):
+        """`owners`: whole-matrix optimizer work (Muon's Newton–Schulz) runs on one owner
+        device per matrix (False: on every device, as a baseline to compare with)."""
         config = ZeroConfig() if config is None else config
         if not isinstance(config, ZeroConfig):
             raise ConfigError(f"config must be a zerojax.ZeroConfig, got {type(config).__name__}")
@@ -50,6 +52,7 @@ class Engine:
                                  f"zerojax model defines init(rng) and loss(params, batch, units)")
         optimizer = as_transformation(optimizer)
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
+        self.owners = bool(owners)
         self.replica, self.data = mesh_sizes(mesh)
         self.axes = batch_axes(mesh)
         self.plan: StepPlan | None = None
@@ -114,7 +117,7 @@ class Engine:
         cfg = self.config
         how = StepUpdate(cfg.clip_norm, DTYPES[cfg.param_dtype] if cfg.offload else None,
                          takes_value(self.optimizer))
-        update = ShardedUpdate(self.optimizer, layout, how)
+        update = ShardedUpdate(self.optimizer, layout, how, owners=self.owners)
         self.plan = StepPlan(self.model, self.optimizer, update, layout, cfg, self.axes,
                              self.replica, self.data)
         self._step_fn = None
