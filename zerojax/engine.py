@@ -13,9 +13,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, ModelError
-from zerojax.mesh import DATA, batch_axes, check_batch, mesh_sizes, put_batch
+from zerojax.mesh import DATA, REPLICA, batch_axes, check_batch, mesh_sizes, put_batch
 from zerojax.partition import Layout, LeafSpec
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.step import (
@@ -54,6 +55,7 @@ class Engine:
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
         self.owners = bool(owners)
         self.replica, self.data = mesh_sizes(mesh)
+        config.check_mesh(self.replica)
         self.axes = batch_axes(mesh)
         self.plan: StepPlan | None = None
         self._step_fn = None
@@ -113,11 +115,16 @@ class Engine:
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
         stage0 = self.config.stage == 0
-        layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data, replicated=stage0)
         cfg = self.config
+        if cfg.hpz:  # hpZ: the primary shard over every device, data-major (collectives.py)
+            layout = Layout(tuple(leaves), treedef, self.data * self.replica,
+                            axes=(DATA, REPLICA))
+        else:
+            layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data,
+                            replicated=stage0)
         how = StepUpdate(cfg.clip_norm, DTYPES[cfg.param_dtype] if cfg.offload else None,
                          takes_value(self.optimizer))
-        update = ShardedUpdate(self.optimizer, layout, how, owners=self.owners)
+        update = ShardedUpdate(self.optimizer, layout, how, axis=layout.axis, owners=self.owners)
         self.plan = StepPlan(self.model, self.optimizer, update, layout, cfg, self.axes,
                              self.replica, self.data)
         self._step_fn = None
@@ -184,6 +191,13 @@ class Engine:
             dtype = DTYPES[cfg.param_dtype]
             src = master if cfg.stage == 3 else params
             compute = jax.tree.map(lambda x: x.astype(dtype), src)
+            if cfg.quantize_weights and cfg.stage in (1, 2):
+                # The values the refresh's quantized gather gives: a restored or fresh state
+                # steps exactly as a continued one.
+                compute = layout.unflatten(
+                    roundtrip(m.astype(dtype) if cfg.offload else m, leaf, layout.shards,
+                              self.plan.wire, dtype)
+                    for m, leaf in zip(jax.tree.leaves(master), layout.leaves))
         return TrainState(jnp.zeros((), jnp.int32), master, self.plan.update.init(params), compute,
                           init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state))
 
