@@ -7,13 +7,14 @@ values, symmetric integers `round(x / s)` with `s = max|x| / QMAX` (int8: ±127;
 packed two per byte), and its scale `s` in float32. Dequantized, each element is within
 `s / 2` of the original: at most max|x|/254 (int8) or max|x|/14 (int4) of its block.
 
-A non-finite element makes its block's scale non-finite and every dequantized element of the
-block NaN or ±inf, so fp16 loss scaling still sees an overflow and skips the step.
+A non-finite element makes its block's scale NaN and every dequantized element of the block
+NaN, so fp16 loss scaling still sees an overflow and skips the step.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 QMAX = {"int8": 127, "int4": 7}
 FORMATS = tuple(QMAX)
@@ -40,13 +41,17 @@ def bytes_per_element(fmt: str, block: int) -> float:
     return (0.5 if fmt == "int4" else 1.0) + SCALE_BYTES / block
 
 
-def _blocked(x, k: int, block: int):
-    """`[..., k]` -> `[..., nb, block]`, zero-padded."""
-    nb = -(-k // block)
-    pad = nb * block - k
-    if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*x.shape[:-1], nb, block)
+def _layout(segments: tuple[int, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(for each block slot `[nb·block]`, the element it holds, or K for padding; for each
+    element `[K]`, its block)."""
+    slots, owner, first, start = [], [], 0, 0
+    for k in segments:
+        nb = -(-k // block)
+        idx = np.arange(nb * block) + start
+        slots.append(np.where(idx < start + k, idx, sum(segments)))
+        owner.append(np.arange(k) // block + first)
+        first, start = first + nb, start + k
+    return np.concatenate(slots), np.concatenate(owner)
 
 
 def encode(x, fmt: str, segments: tuple[int, ...], block: int):
@@ -54,18 +59,15 @@ def encode(x, fmt: str, segments: tuple[int, ...], block: int):
     `[..., K]`, or for int4 uint8 `[..., ceil(K/2)]` (two per byte, low nibble first)."""
     assert x.shape[-1] == sum(segments), (x.shape, segments)
     qmax = QMAX[fmt]
+    slots, owner = _layout(segments, block)
     x = x.astype(jnp.float32)
-    values, scales, start = [], [], 0
-    for k in segments:
-        xb = _blocked(x[..., start:start + k], k, block)  # [..., nb, B]
-        start += k
-        s = jnp.max(jnp.abs(xb), axis=-1) / qmax  # [..., nb]; NaN or inf if any element is
-        q = jnp.where(s[..., None] > 0, xb / s[..., None], 0.0)
-        q = jnp.clip(jnp.round(q), -qmax, qmax)
-        values.append(q.reshape(*q.shape[:-2], -1)[..., :k])
-        scales.append(s)
-    q = jnp.concatenate(values, axis=-1) if len(values) > 1 else values[0]
-    s = jnp.concatenate(scales, axis=-1) if len(scales) > 1 else scales[0]
+    padded = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
+    xb = jnp.take(padded, slots, axis=-1).reshape(*x.shape[:-1], -1, block)  # [..., nb, B]
+    # A non-finite element makes the scale NaN (XLA's max need not propagate NaN).
+    s = jnp.where(jnp.all(jnp.isfinite(xb), axis=-1), jnp.max(jnp.abs(xb), axis=-1) / qmax,
+                  jnp.nan)  # [..., nb]
+    s_k = jnp.take(s, owner, axis=-1)  # [..., K]
+    q = jnp.clip(jnp.round(jnp.where(s_k > 0, x / s_k, 0.0)), -qmax, qmax)
     if fmt == "int8":
         return q.astype(jnp.int8), s
     u = (q + 8).astype(jnp.uint8)  # [1, 15]
@@ -81,10 +83,5 @@ def decode(values, scales, fmt: str, segments: tuple[int, ...], block: int, dtyp
     else:
         u = jnp.stack([values & 15, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
         q = u[..., :sum(segments)].astype(jnp.float32) - 8
-    out, start, first = [], 0, 0
-    for k in segments:
-        nb = -(-k // block)
-        qb = _blocked(q[..., start:start + k], k, block) * scales[..., first:first + nb, None]
-        out.append(qb.reshape(*qb.shape[:-2], -1)[..., :k])
-        start, first = start + k, first + nb
-    return (jnp.concatenate(out, axis=-1) if len(out) > 1 else out[0]).astype(dtype)
+    owner = _layout(segments, block)[1]
+    return (q * jnp.take(scales, owner, axis=-1)).astype(dtype)
