@@ -225,7 +225,10 @@ class Planner:
     def eqn(self, eqn, ins: list[int]) -> list[int]:
         name = eqn.primitive.name
         reps = [self.rep[k] for k in ins]
-        if all(isinstance(r, Whole) for r in reps) and name not in CALLS:
+        # Whole operands give a whole result, except a broadcast: it stays lazy (Bcast), so a
+        # `zeros_like(param)` never exists whole on a device.
+        if all(isinstance(r, Whole) for r in reps) and name not in CALLS and \
+                name != "broadcast_in_dim":
             return self.generic(eqn, ins)
         if name in CALLS:
             return self.call(eqn, ins)
