@@ -191,6 +191,7 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, caps
     argv, message = BAD[case]
     started = []
     monkeypatch.setattr(train, "start_runtime", started.append)
+    monkeypatch.setattr(train, "train", lambda *args: started.append(args) or 0)  # never runs
     assert train.main(argv.format(tmp=tmp_path).split()) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerojax train: error: "), err
