@@ -139,7 +139,7 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
 # ------------------------------------------------------------------------------- at the door
 
-# engine -> (its plan when cached, {state path: (shape, dtype)}, state treedef)
+# engine -> (its plan when cached, {state path: (shape, dtype)}, state treedef, mesh devices)
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # engine -> (batch treedef, {batch path: (shape without the batch axis, dtype)}, its type name)
 _BATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -183,7 +183,7 @@ def _state_expectation(engine):
 
 def check_state(engine, state) -> None:
     """`state` must be a live `TrainState` of `engine`'s stage, dtypes, mesh and model."""
-    from zerojax.step import TrainState  # the step places batches with this module
+    from zerojax.step import TrainState  # step.py imports this module
 
     if not isinstance(state, TrainState):
         raise StateError(f"state is {_short(state)} ({type(state).__name__}), not a "
@@ -290,12 +290,12 @@ def check_batch_like(engine, batch) -> None:
     for (name, (shape, dtype)), (_, (want_shape, want_dtype)) in zip(got.items(),
                                                                      leaves.items()):
         if shape != want_shape or dtype != want_dtype:
-            show = lambda s, d: f"{np.dtype(d).name if d is not None else 'no dtype'}[B, " + \
-                ", ".join(map(str, s)) + "]"
+            show = lambda s, d: (np.dtype(d).name if d is not None else "no dtype") + \
+                "[" + ", ".join(["B", *map(str, s)]) + "]"
             raise BatchError(
                 f"batch{name} is {show(shape, dtype)}; the engine was initialized with "
                 f"{show(want_shape, want_dtype)} (any batch size B, the other axes and the dtype "
-                f"as at init)".replace(", ]", "]"))
+                f"as at init)")
 
 
 @contextlib.contextmanager
