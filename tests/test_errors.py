@@ -145,18 +145,17 @@ def test_config_keeps_numpy_scalars_as_python_values():
 
 
 def test_a_seed_is_not_a_key_and_a_mesh_is_a_mesh():
-    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
-    e = engine()
+    e = seed_engine()
     for rng in (0, np.zeros(2, np.int32), jax.random.split(jax.random.key(0))):
         with pytest.raises(zj.ArgumentError, match="PRNG key.*jax.random.key"):
-            e.init(rng, batch)
+            e.init(rng, SEED_BATCH)
     assert e.plan is None  # refused before the loss was traced
     with pytest.raises(zj.ArgumentError, match=r"rng='0' is not a PRNG key"):
-        e.init_from(tiny_gpt().init(jax.random.key(0)), batch, rng="0")
+        e.init_from(SeedMLP().init(None), SEED_BATCH, rng="0")
     with pytest.raises(zj.MeshError, match=r"mesh=None is not a jax.sharding.Mesh; .*make_mesh"):
         zj.Engine(tiny_gpt(), optax.adam(1e-3), None, zj.ZeroConfig())
     assert isinstance(zj.ArgumentError("x"), TypeError)  # what jax would raise, and a ValueError
-    e.init(jax.random.PRNGKey(0), batch)  # raw key data (jax.random.PRNGKey) is a key too
+    e.init(jax.random.PRNGKey(0), SEED_BATCH)  # raw key data (jax.random.PRNGKey) is a key too
 
 
 @pytest.fixture(scope="module")
@@ -167,33 +166,38 @@ def stepped():
     return e, batch, e.init(jax.random.key(0), batch)
 
 
-def test_a_state_must_be_a_live_state_of_this_engine(stepped, tmp_path):
-    e, batch, state = stepped
-    for call in (e.step, e.evaluate):
+def seed_engine(stage=3, n=2, **cfg):
+    return zj.Engine(SeedMLP(), optax.adam(0.1), zj.make_mesh(data=n),
+                     zj.ZeroConfig(stage=stage, **cfg))
+
+
+def test_a_state_must_be_a_live_state_of_this_engine(tmp_path):
+    e, batch = seed_engine(), SEED_BATCH  # the walkthrough's MLP: 3 leaves, quick to compile
+    state = e.init(jax.random.key(0), batch)
+    for call in (e.step, e.evaluate, e.params, e.model_state):
         with pytest.raises(zj.StateError, match=r"state is None \(NoneType\), not a "
                                                 r"zerojax.TrainState"):
-            call(None, batch)
+            call(None, batch) if call in (e.step, e.evaluate) else call(None)
     with pytest.raises(zj.StateError, match=r"not a zerojax.TrainState"):
         e.params({"master": state.master})
-    other = engine(stage=1)  # stage 1 keeps replicated compute params, stage 3 none (fp32)
-    with pytest.raises(zj.StateError, match=r"stage 3, float32, 4 devices\): state.compute "
-                                            r"holds 17 arrays, this engine's none"):
+    other = seed_engine(stage=1)  # stage 1 keeps replicated compute params, stage 3 none (fp32)
+    with pytest.raises(zj.StateError, match=r"stage 3, float32, 2 devices\): state.compute "
+                                            r"holds 3 arrays, this engine's none"):
         e.step(other.init(jax.random.key(0), batch), batch)
-    fewer = engine(stage=3, n=2)  # here the same shard shapes, on other devices
-    with pytest.raises(zj.StateError, match=r"state is on devices \[0, 1\], this engine's mesh "
-                                            r"on \[0, 1, 2, 3\]: a state of another mesh"):
-        e.step(fewer.init(jax.random.key(0), batch), batch)
-    bf16 = engine(stage=3, param_dtype="bfloat16")  # a compute copy that fp32 does not keep
-    with pytest.raises(zj.StateError, match=r"state.compute holds 17 arrays, this engine's none"):
+    bf16 = seed_engine(param_dtype="bfloat16")  # a compute copy that fp32 does not keep
+    with pytest.raises(zj.StateError, match=r"state.compute holds 3 arrays, this engine's none"):
         e.evaluate(bf16.init(jax.random.key(0), batch), batch)
-    mine = e.init(jax.random.key(1), batch)  # not the fixture's state, which others use
-    new, _ = e.step(mine, batch)
+    fewer = seed_engine(n=1)  # here the same shard shapes, on other devices
+    with pytest.raises(zj.StateError, match=r"state is on devices \[0\], this engine's mesh "
+                                            r"on \[0, 1\]: a state of another mesh"):
+        e.step(fewer.init(jax.random.key(0), batch), batch)
+    new, _ = e.step(state, batch)
     with pytest.raises(zj.StateError, match=r"state.step was donated to an earlier engine.step "
                                             r"\(its buffers are deleted\); pass the state that "
                                             r"step returned"):
-        e.step(mine, batch)
+        e.step(state, batch)
     with pytest.raises(zj.StateError, match="donated"):
-        e.save(mine, tmp_path)
+        e.save(state, tmp_path)
     assert list(tmp_path.iterdir()) == []
     assert int(e.step(new, batch)[0].step) == 2
 
