@@ -193,6 +193,12 @@ class ShardedUpdate:
                 return rep
         return WHOLE
 
+    def param_like(self, logical_state):
+        """`logical_state` with only the leaves that sit where a param sits (moments, copies
+        of the params); the others (counts, scalars, a best-so-far value) are None."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: None if self._param_like(path, x) is WHOLE else x, logical_state)
+
     def program(self, finite: bool, gdtypes=None) -> tuple[Program, Any, Any]:
         """The planned update for these gradient dtypes (default float32)."""
         gdtypes = tuple(jnp.dtype(d) for d in (gdtypes or [jnp.float32] * len(self.param_reps)))
