@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
 
     mesh = zj.make_mesh(data=4)
     module = CNN(axis_name=zj.batch_axes(mesh))
-    sample = jnp.zeros((1, SIZE, SIZE, 1))  # init with train=False: no statistics to reduce
+    sample = jnp.zeros((1, SIZE, SIZE, 1))  # one call's arguments, for module.init
     zm = zj.from_linen(module, loss_fn, sample, units=(ConvBlock,))
     engine = zj.Engine(zm, optax.adam(1e-2), mesh, zj.ZeroConfig(stage=3))
     state = engine.init(jax.random.key(0), make_batch(0))

@@ -170,7 +170,11 @@ def reference(bundle):
     for b in batches():
         params, state, loss = step(params, state, b)
         losses.append(float(loss))
+    reference.opt_state[bundle] = state
     return np.array(losses), params, start
+
+
+reference.opt_state = {}  # the reference's final optimizer state, per bundle
 
 
 def assert_matches(bundle, losses, params):

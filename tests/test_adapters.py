@@ -537,3 +537,153 @@ def test_nnx_unit_never_called_is_a_model_error():
     zm = zj.from_nnx(model, lambda m, b: m.embed(b["inputs"]).sum(), units=(Block,))
     with pytest.raises(zj.ModelError, match=r"/blocks/0, /blocks/1, /blocks/2 were not run"):
         zm.loss(zm.init(None), BATCHES[0], PlainUnits())
+
+
+# --------------------------------------------------------------------------- where scans meet xs
+
+
+SCALES = np.array([0.5, -1.0, 2.0], np.float32)  # one per layer: xs of the scan
+XD = 8
+
+
+def xs_batch(step):
+    rng = np.random.default_rng(step)
+    return {"x": rng.normal(size=(8, XD)).astype(np.float32)}
+
+
+def xs_loss(out, ys):
+    """A loss that reads every layer's output in its place (weights 1, 2, 3)."""
+    return jnp.mean(jnp.square(out)) + jnp.sum(ys * jnp.arange(1.0, 4.0)), {
+        f"y{i}": ys[i] for i in range(3)}
+
+
+class XsLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, scale):
+        y = jnp.tanh(nn.Dense(XD)(x) * scale)
+        return x + y, y.mean()
+
+
+class XsLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(XsLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=0, length=3)
+        return layers(name="layers")(x, jnp.asarray(SCALES))
+
+
+class XsBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(XD, XD, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class XsNNX(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs):
+            return XsBlock(rngs)
+
+        self.layers = stack(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        def body(x, block, scale):
+            y = jnp.tanh(block(x) * scale)
+            return x + y, y.mean()
+
+        return body(x, self.layers, jnp.asarray(SCALES))
+
+
+def scan_pair(kind):
+    """(zerojax model with the scanned layers as units, plain loss of (params, batch), params)."""
+    if kind == "linen":
+        module = XsLinen()
+        params = module.init(jax.random.key(0), xs_batch(0)["x"][:1])["params"]
+        zm = zj.from_linen(module, lambda apply, b: xs_loss(*apply(b["x"])),
+                           xs_batch(0)["x"][:1], units=(XsLayer,))
+        plain = lambda p, b: xs_loss(*module.apply({"params": p}, b["x"]))  # noqa: E731
+        return zm, plain, params
+    model = XsNNX(nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    zm = zj.from_nnx(model, lambda m, b: xs_loss(*m(b["x"])), units=(XsBlock,))
+    plain = lambda p, b: xs_loss(*nnx.merge(graph, p, jax.tree.map(lambda x: x, rest))(b["x"]))  # noqa: E731
+    return zm, plain, params
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_scanned_units_take_per_layer_inputs_and_give_per_layer_outputs(kind):
+    """nn.scan / nnx.scan over unit layers with xs (a scale per layer) and a per-layer output:
+    each layer gets its own slice of xs and its output lands in its own place, as in plain
+    Flax, under stage 3's per-layer gathers."""
+    zm, plain, params = scan_pair(kind)
+    engine = zj.Engine(zm, optax.adam(1e-2), zj.make_mesh(data=2), zj.ZeroConfig(stage=3))
+    state = engine.init(jax.random.key(0), xs_batch(0))
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+    for s in range(2):
+        (loss, aux), g = jax.value_and_grad(plain, has_aux=True)(params, xs_batch(s))
+        state, m = engine.step(state, xs_batch(s))
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+        got = [float(m[f"y{i}"]) for i in range(3)]
+        np.testing.assert_allclose(got, [float(aux[f"y{i}"]) for i in range(3)], rtol=1e-5,
+                                   atol=1e-7)
+        assert len(set(np.round(got, 4))) == 3  # the layers' outputs are told apart
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    want = nnx.to_pure_dict(params) if kind == "nnx" else params
+    assert_tree_close(engine.params(state), want, rtol=1e-5, atol=1e-6)
+
+
+class DropUnit(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        return x + nn.Dropout(0.5, deterministic=not train)(nn.Dense(x.shape[-1])(x))
+
+
+class DirectDrop(nn.Module):
+    """Two unit instances called directly (no nn.scan), each with dropout inside."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        return DropUnit()(DropUnit()(x, train), train).sum(-1)
+
+
+def test_linen_dropout_inside_a_directly_called_unit():
+    """A unit instance runs as its own apply: it must get the step's dropout keys (new each
+    step, different per device), and none in evaluate."""
+    def loss_fn(apply, b):
+        loss = jnp.mean(jnp.square(apply(b["x"], train=apply.training) - b["y"]))
+        return loss, {"loss_sq": loss * loss}  # pmean(l²) - pmean(l)² = spread over devices
+
+    rng = np.random.default_rng(0)
+    row = {"x": rng.normal(size=(1, XD)).astype(np.float32), "y": np.ones((1,), np.float32)}
+    rows = {k: np.repeat(v, 8, 0) for k, v in row.items()}  # the same row on every device
+    zm = zj.from_linen(DirectDrop(), loss_fn, rows["x"][:1], units=(DropUnit,))
+    assert sorted(zm.instances) == [("DropUnit_0",), ("DropUnit_1",)] and not zm.stacks
+    engine = zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=4), zj.ZeroConfig(stage=3))
+    state = engine.init(jax.random.key(0), rows)
+    runs = []
+    for _ in range(3):
+        state, m = engine.step(state, rows)
+        runs.append((float(m["loss"]), float(m["loss_sq"])))
+    assert len({loss for loss, _ in runs}) == 3, runs  # lr 0: only the masks change
+    assert all(sq - loss * loss > 1e-6 for loss, sq in runs), runs  # devices differ
+    want = loss_fn(PlainApply(DirectDrop(), engine.params(state)), rows)[0]
+    assert float(engine.evaluate(state, rows)["loss"]) == pytest.approx(float(want), rel=1e-6)
+
+
+class PlainApply:
+    """What from_linen hands `loss_fn` in evaluate, for plain linen: `module.apply` with
+    `params`, `training` False."""
+
+    training = False
+
+    def __init__(self, module, params):
+        self.module, self.params = module, params
+
+    def __call__(self, *args, **kwargs):
+        return self.module.apply({"params": self.params}, *args, **kwargs)

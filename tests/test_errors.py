@@ -114,3 +114,121 @@ def test_init_from_wrong_structure_names_leaves():
 def test_step_before_init():
     with pytest.raises(RuntimeError, match="init"):
         engine().step(None, gpt_batch(tiny_gpt().cfg, 8, 0))
+
+
+# ---------------------------------------------------------------- types as well as values
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(stage=3.0), r"stage=3\.0 \(float\) must be an integer"),
+    (dict(grad_accum=2.0), r"grad_accum=2\.0 \(float\) must be a positive integer"),
+    (dict(remat="yes"), r"remat='yes' \(str\) must be True or False"),
+    (dict(stage=3, prefetch="no"), r"prefetch='no' \(str\) must be True or False"),
+    (dict(loss_scale_init=-5.0), r"loss_scale_init=-5\.0 must be a positive finite number"),
+    (dict(loss_scale_init=float("nan")), r"loss_scale_init=nan must be a positive finite"),
+    (dict(param_dtype="float16", loss_scale_init=float("inf")), r"loss_scale_init=inf must"),
+    (dict(loss_scale_init=1e39), r"loss_scale_init=1e\+39 must"),  # inf as float32
+    (dict(loss_scale=float("inf")), r"loss_scale=inf must be 'dynamic', a positive finite"),
+    (dict(clip_norm="1.0"), r"clip_norm='1\.0' \(str\) must be a positive number"),
+    (dict(loss_scale_interval=1.5), r"loss_scale_interval=1\.5 \(float\) must be an integer"),
+])
+def test_config_refuses_wrong_types_and_non_finite_values(bad, match):
+    with pytest.raises(zj.ConfigError, match=match):
+        zj.ZeroConfig(**bad)
+
+
+def test_config_keeps_numpy_scalars_as_python_values():
+    cfg = zj.ZeroConfig(stage=np.int64(3), remat=np.bool_(False), clip_norm=np.float32(1.0))
+    assert (cfg.stage, cfg.remat, cfg.clip_norm) == (3, False, 1.0)
+    assert type(cfg.stage) is int and type(cfg.remat) is bool and type(cfg.clip_norm) is float
+    assert cfg == zj.ZeroConfig(stage=3, remat=False, clip_norm=1.0)
+
+
+def test_a_seed_is_not_a_key_and_a_mesh_is_a_mesh():
+    e = seed_engine()
+    for rng in (0, np.zeros(2, np.int32), jax.random.split(jax.random.key(0))):
+        with pytest.raises(zj.ArgumentError, match="PRNG key.*jax.random.key"):
+            e.init(rng, SEED_BATCH)
+    assert e.plan is None  # refused before the loss was traced
+    with pytest.raises(zj.ArgumentError, match=r"rng='0' is not a PRNG key"):
+        e.init_from(SeedMLP().init(None), SEED_BATCH, rng="0")
+    with pytest.raises(zj.MeshError, match=r"mesh=None is not a jax.sharding.Mesh; .*make_mesh"):
+        zj.Engine(tiny_gpt(), optax.adam(1e-3), None, zj.ZeroConfig())
+    assert isinstance(zj.ArgumentError("x"), TypeError)  # what jax would raise, and a ValueError
+    e.init(jax.random.PRNGKey(0), SEED_BATCH)  # raw key data (jax.random.PRNGKey) is a key too
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    """A stage-3 engine on 4 devices, its init batch and a state."""
+    e = engine(stage=3)
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    return e, batch, e.init(jax.random.key(0), batch)
+
+
+def seed_engine(stage=3, n=2, **cfg):
+    return zj.Engine(SeedMLP(), optax.adam(0.1), zj.make_mesh(data=n),
+                     zj.ZeroConfig(stage=stage, **cfg))
+
+
+def test_a_state_must_be_a_live_state_of_this_engine(tmp_path):
+    e, batch = seed_engine(), SEED_BATCH  # the walkthrough's MLP: 3 leaves, quick to compile
+    state = e.init(jax.random.key(0), batch)
+    for call in (e.step, e.evaluate, e.params, e.model_state):
+        with pytest.raises(zj.StateError, match=r"state is None \(NoneType\), not a "
+                                                r"zerojax.TrainState"):
+            call(None, batch) if call in (e.step, e.evaluate) else call(None)
+    with pytest.raises(zj.StateError, match=r"not a zerojax.TrainState"):
+        e.params({"master": state.master})
+    other = seed_engine(stage=1)  # stage 1 keeps replicated compute params, stage 3 none (fp32)
+    with pytest.raises(zj.StateError, match=r"stage 3, float32, 2 devices\): state.compute "
+                                            r"holds 3 arrays, this engine's none"):
+        e.step(other.init(jax.random.key(0), batch), batch)
+    bf16 = seed_engine(param_dtype="bfloat16")  # a compute copy that fp32 does not keep
+    with pytest.raises(zj.StateError, match=r"state.compute holds 3 arrays, this engine's none"):
+        e.evaluate(bf16.init(jax.random.key(0), batch), batch)
+    fewer = seed_engine(n=1)  # here the same shard shapes, on other devices
+    with pytest.raises(zj.StateError, match=r"state is on devices \[0\], this engine's mesh "
+                                            r"on \[0, 1\]: a state of another mesh"):
+        e.step(fewer.init(jax.random.key(0), batch), batch)
+    new, _ = e.step(state, batch)
+    with pytest.raises(zj.StateError, match=r"state.step was donated to an earlier engine.step "
+                                            r"\(its buffers are deleted\); pass the state that "
+                                            r"step returned"):
+        e.step(state, batch)
+    with pytest.raises(zj.StateError, match="donated"):
+        e.save(state, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert int(e.step(new, batch)[0].step) == 2
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", r"missing batch\['targets'\]\); pass batches with the keys of the init batch "
+                r"\(\['inputs'\], \['targets'\]\)"),
+    ("extra", r"extra batch\['mask'\]"),
+    ("list", r"the batch is a list; the engine was initialized with a dict"),
+    ("shape", r"batch\['inputs'\] is int32\[B, 8\]; the engine was initialized with "
+              r"int32\[B, 16\] \(any batch size B"),
+    ("dtype", r"batch\['targets'\] is float32\[B, 16\]; .* int32\[B, 16\]"),
+])
+def test_a_batch_must_look_like_the_init_batch(stepped, case, match):
+    e, batch, state = stepped
+    bad = {"missing": {"inputs": batch["inputs"]},
+           "extra": {**batch, "mask": batch["inputs"]},
+           "list": [batch["inputs"], batch["targets"]],
+           "shape": {k: v[:, :8] for k, v in batch.items()},
+           "dtype": {**batch, "targets": batch["targets"].astype(np.float32)}}[case]
+    for call in (e.step, e.evaluate):
+        with pytest.raises(zj.BatchError, match=match):
+            call(state, bad)
+    # Another batch size is fine (it recompiles): only the batch axis may change.
+    assert e.evaluate(state, {k: v[:4] for k, v in batch.items()})["loss"].shape == ()
+
+
+def test_init_names_the_batch_key_the_model_reads():
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    with pytest.raises(zj.BatchError, match=r"the model reads batch\['targets'\], which the "
+                                            r"batch lacks \(its keys: \['inputs'\]\)"):
+        engine().init(jax.random.key(0), {"inputs": batch["inputs"]})
+    with pytest.raises(zj.BatchError, match=r"a batch that is a list, not a dict"):
+        engine().init(jax.random.key(0), [batch["inputs"], batch["targets"]])

@@ -148,3 +148,36 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
 def test_bad_offload_is_one_config_error(cfg, match):
     with pytest.raises(zj.ConfigError, match=match):
         zj.ZeroConfig(**cfg)
+
+
+def _transfers(jaxpr, out):
+    """The avals of every `device_put` into device memory of a value in host memory, in
+    `jaxpr` and the jaxprs inside it (shard_map, jit, scan bodies)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and \
+                tuple(eqn.params["devices"]) == (jax.memory.Space.Device,):
+            out += [v.aval for v in eqn.invars
+                    if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host]
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _transfers(inner, out)
+    return out
+
+
+@pytest.mark.parametrize("stage, dtype", [(3, "bfloat16"), (1, "float16")])
+def test_the_updated_shard_comes_back_in_the_compute_dtype(stage, dtype):
+    """What the host sends back each step is the compute-dtype shard (2 bytes a parameter), not
+    the fp32 master cast on the device (twice the traffic, the same numbers)."""
+    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
+                    zj.ZeroConfig(stage=stage, param_dtype=dtype, offload="optimizer"))
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    eng.init(jax.random.key(0), batch)
+    jaxpr = jax.make_jaxpr(eng._compiled_step())(eng.abstract_state(), put_batch(batch, eng.mesh))
+    back = _transfers(jaxpr.jaxpr, [])
+    assert {a.dtype.name for a in back} == {dtype}
+    layout = eng.layout  # one shard per leaf: [k] or [L, k] per device
+    assert sorted(a.size for a in back) == sorted(
+        layout.shard_size(leaf) * (leaf.shape[0] if leaf.stacked else 1)
+        for leaf in layout.leaves)

@@ -8,6 +8,7 @@ stage 0, 1/N flat shards at stages 1-3), so the four configurations of the two f
 optimizer over every layout and runner the engine has.
 """
 
+import jax
 import numpy as np
 import optimizer_table as table
 import pytest
@@ -33,3 +34,11 @@ def test_optimizer_states_restore_on_another_n_and_stage(tmp_path):
     restored, m = other.step(restored, table.batches()[2])
     np.testing.assert_allclose(float(m["loss"]), table.reference(0)[0][2], rtol=table.LOSS_RTOL)
     table.assert_matches(0, None, other.params(restored))
+    # The optimizer state as single-device optax has it: moments, counts, keys, factors.
+    got, want = other.optimizer_state(restored), table.reference.opt_state[0]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree.flatten_with_path(got)[0], jax.tree.leaves(want)):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -515,3 +515,57 @@ def test_plan_largest_reads_k_per_shape(capsys, monkeypatch):
     assert f["state"] == state_estimate(f["num_params"], 1, 0, optimizer_state_bytes=k).total
     assert "Adafactor, Adafactor factored moments in float32: K = " in out["assumptions"][
         "optimizer"]
+
+
+# --- plan --largest where its options meet ------------------------------------------------------
+
+def test_plan_largest_on_several_devices_splits_the_global_batch(capsys):
+    from zerojax.analysis.accounting import state_estimate
+    from zerojax.analysis.largest import activation_bytes, gpt_family
+
+    family = gpt_family()
+    argv = ["--devices", "8", "--memory", "80GB", "--largest", "--batch", "16", "--json",
+            "--remat", "on", "--offload", "off"]
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["devices"], out["batch"]) == (8, 16)
+    assert out["assumptions"]["global batch"] == "16 sequences (2 per device), no grad_accum"
+    for r in out["largest"]:
+        f = r["fits"]
+        cfg = family[f["name"]]
+        # Activations of 2 sequences (16 over 8 devices), not 16 nor 1; the state over 8.
+        assert f["activations"] == activation_bytes(cfg, 2, "bfloat16", True)["total"]
+        assert f["state"] == state_estimate(f["num_params"], 8, r["stage"]).total
+    fits = {r["stage"]: r["fits"]["num_params"] for r in out["largest"]}
+    assert fits[3] > 4 * fits[0]  # sharding over 8 devices reaches further
+
+
+def test_plan_largest_host_memory_caps_offload(capsys):
+    argv = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
+            "--json"]
+    assert plan_main([*argv, "--host-memory", "100GB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["largest"]
+    # 12Ψ of gpt3-13b (155 GB) does not fit 100 GB of host memory; 7b's 80.6 GB does.
+    assert (row["offload"]["fits"]["name"], row["offload"]["next"]["name"]) == ("7b", "gpt3-13b")
+    assert "at most 100 GB" in out["assumptions"]["offload"]
+    assert plan_main(argv) == 0  # without the cap: gpt3-13b
+    assert json.loads(capsys.readouterr().out)["largest"][0]["offload"]["fits"]["name"] == \
+        "gpt3-13b"
+
+
+def test_plan_largest_json_succeeds_when_only_offload_fits(capsys):
+    from zerojax.analysis.largest import largest
+
+    # 2 GB on one device: no stage holds 16Ψ of the smallest shape, offload's 4Ψ fits.
+    assert all(r["fits"] is None for r in largest(1, 2e9))
+    assert any(r["fits"] for r in largest(1, 2e9, offload="optimizer"))
+    argv = ["--devices", "1", "--memory", "2GB", "--largest", "--json"]
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(r["fits"] is None for r in out["largest"])
+    assert {r["offload"]["fits"]["name"] for r in out["largest"]
+            if r["offload"] and r["offload"]["fits"]} == {"gpt2-small"}
+    assert plan_main([*argv, "--offload", "off"]) == 1  # then nothing fits
+    assert plan_main(argv[:-1]) == 0  # the table says the same
+    assert "gpt2-small" in capsys.readouterr().out

@@ -385,3 +385,43 @@ def test_mask_functions_see_logical_params():
     with pytest.raises(zj.ConfigError, match=r"optimizer's init failed on the model's params "
                                              r"\(AttributeError"):
         engine(Norm(), n=2, stage=1, optimizer=fails).init(jax.random.key(0), BATCHES[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Where model state meets loss scaling and hybrid meshes.
+
+
+def test_a_skipped_fp16_step_leaves_the_model_state_as_it_was():
+    """Dynamic loss scaling skips a step whose gradients are not finite on every device alike:
+    the statistics and the counter that step computed are dropped with its update."""
+    eng = engine(Norm(), n=2, stage=3, param_dtype="float16", grad_accum=2,
+                 loss_scale_init=2.0**8)
+    state = eng.init(jax.random.key(0), BATCHES[0])
+    before = jax.tree.map(np.asarray, eng.model_state(state))
+    bad = {**BATCHES[0], "x": np.where(np.eye(16, 5, dtype=bool), np.nan, BATCHES[0]["x"])}
+    state, m = eng.step(state, bad)  # NaN rows on device 0: its statistics and all gradients
+    assert int(m["skipped"]) == 1 and int(m["nonfinite"]) == 1
+    assert_bitwise(eng.model_state(state), before)
+    state, m = eng.step(state, BATCHES[0])  # at half the scale: taken
+    assert int(m["skipped"]) == 0
+    ms = eng.model_state(state)
+    assert int(ms["count"]) == 2  # two micro-batches of the taken step
+    assert not np.array_equal(np.asarray(ms["mean"]), before["mean"])
+
+
+def test_per_device_statistics_are_averaged_over_replica_and_data():
+    """Without batch axes in the model, each device's statistics are its own; on a replica ×
+    data mesh the step averages them over both axes (and traces: the state is replicated)."""
+    mesh = zj.make_mesh(data=2, replica=2)
+    eng = zj.Engine(Norm(), opt(), mesh, zj.ZeroConfig(stage=3))
+    b = BATCHES[0]
+    state = eng.init(jax.random.key(0), b)
+    w = np.asarray(eng.params(state)["w"])
+    state, _ = eng.step(state, b)
+    h = (b["x"] @ w).reshape(4, 4, 4)  # [device (replica-major), row, feature]
+    mu, var = h.mean(1), np.square(h).mean(1) - np.square(h.mean(1))
+    assert np.abs(mu[:2].mean(0) - mu[2:].mean(0)).max() > 1e-2  # the replicas differ
+    ms = eng.model_state(state)
+    np.testing.assert_allclose(ms["mean"], 0.1 * mu.mean(0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ms["var"], 0.9 + 0.1 * var.mean(0), rtol=1e-5)
+    assert int(ms["count"]) == 1

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
-from zerojax.app import options, peers, sample, train
+from zerojax.app import options, peers, resume, sample, train
 from zerojax.app.data import embedded_corpus
 from zerojax.models import GPT
 from zerojax.update import presets
@@ -150,6 +151,27 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "resume step": ("--resume-step 7 --out {tmp}/old",
                     "--resume-step=7: no such checkpoint in '{tmp}/old/checkpoints'; its steps "
                     "are 5"),
+    "resume past steps": ("--resume --steps 3 --out {tmp}/old",
+                          "--steps=3 is below step 5, where the run in '{tmp}/old' resumes: "
+                          "nothing to train; --steps is the total, so pass more than 5"),
+    "no-resume with resume-step": ("--no-resume --resume-step 5 --out {tmp}/old",
+                                   "--no-resume contradicts --resume-step=5 (which resumes from "
+                                   "that step); drop one of them"),
+    "coordinator": ("--coordinator bad --num-processes 2 --process-id 0",
+                    "--coordinator='bad' is not HOST:PORT; give process 0's address and a free "
+                    "port, e.g. --coordinator 10.0.0.1:12355"),
+    "coordinator port": ("--coordinator host:99999 --num-processes 2 --process-id 0",
+                         "--coordinator='host:99999' is not HOST:PORT"),
+    "process id": ("--coordinator localhost:1234 --num-processes 2 --process-id 2",
+                   "--process-id=2 must be in [0, --num-processes=2)"),
+    "negative process id": ("--coordinator localhost:1234 --num-processes 2 --process-id=-1",
+                            "--process-id=-1 must be a non-negative integer below 2**31"),
+    "steps beyond the step counter": ("--steps 2147483648",
+                                      "--steps=2147483648 must be a positive integer below "
+                                      "2**31"),
+    "data is a device": ("--data /dev/null",
+                         "token file '/dev/null' is not a regular file; pass a .txt, .bin or "
+                         ".npy file"),
 }
 NEEDS_USER = {"unreadable data", "unwritable out"}  # as root, chmod blocks nothing
 
@@ -176,6 +198,7 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, caps
     argv, message = BAD[case]
     started = []
     monkeypatch.setattr(train, "start_runtime", started.append)
+    monkeypatch.setattr(train, "train", lambda *args: started.append(args) or 0)  # never runs
     assert train.main(argv.format(tmp=tmp_path).split()) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerojax train: error: "), err
@@ -300,14 +323,14 @@ def test_each_optimizer_trains_and_the_table_names_its_state(name, tmp_path, tok
 def test_cut_off_metrics_record_is_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
-    note = options.drop_cut_off_record(path)
+    note = resume.drop_cut_off_record(path)
     assert note == ("metrics.jsonl: dropped a cut-off last record (15 bytes) that an "
                     "interrupted write left")
     assert path.read_text() == '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n'
-    assert options.drop_cut_off_record(path) is None
+    assert resume.drop_cut_off_record(path) is None
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not what a crash leaves
     with pytest.raises(options.UsageError, match="line 2 is not a JSON record"):
-        options.drop_cut_off_record(path)
+        resume.drop_cut_off_record(path)
 
 
 def test_schedule_note_gives_the_lr_before_and_after():
@@ -321,15 +344,86 @@ def test_schedule_note_gives_the_lr_before_and_after():
     assert train.schedule_note(constant, dataclasses.replace(constant, steps=400), 200) is None
 
 
-def test_non_finite_loss_stops_naming_the_step(tmp_path, tokens64, capsys, monkeypatch):
+def test_non_finite_loss_stops_and_is_never_saved(tmp_path, tokens64, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
-    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "4", "--steps", "30",
-                       "--lr", "1e30", "--warmup", "0", "--clip-norm", "None",
-                       "--out", str(tmp_path)])
+    ckpt = tmp_path / "checkpoints"
+    args = [*SMALL, "--data", str(tokens64), "--devices", "4", "--steps", "30", "--lr", "1e30",
+            "--warmup", "0", "--schedule", "constant", "--clip-norm", "None", "--eval-every",
+            "0", "--save-every", "1", "--out", str(tmp_path)]
+    code = train.main(args)
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "zerojax train: error: loss is nan at step 2" in err
-    assert not (tmp_path / "checkpoints").exists()
+    assert err == (f"zerojax train: error: loss is nan at step 2 (lr 1e+30); stopped without "
+                   f"saving; last good checkpoint: step 1 in {ckpt} (continue with --resume). "
+                   f"Lower --lr, set --clip-norm, use --param-dtype float32, or pass "
+                   f"--allow-nonfinite to go on\n")
+    assert options.checkpoint_steps(ckpt) == [1]
+    # --allow-nonfinite goes on past the NaN loss; the save of the diverged state is refused
+    # and stops the run, naming the step and the last good checkpoint.
+    code = train.main([*args, "--resume", "--allow-nonfinite"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err == (f"zerojax train: error: step 2: params['blocks']['attn']['out']['bias'] holds "
+                   f"NaN or inf (the run has diverged), so it was not saved; last good "
+                   f"checkpoint: step 1 in {ckpt} (continue with --resume)\n")
+    assert options.checkpoint_steps(ckpt) == [1]
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2]
+    assert math.isnan(records(tmp_path)[-1]["loss"])
+
+
+def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, monkeypatch):
+    """The save of step 4 fails for lack of space (found when step 6 saves): one line naming
+    the directory, its free space and the last good step; step 2 is intact."""
+    from test_save_contract import full_disk_after
+
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    monkeypatch.setattr(*full_disk_after(1))
+    ckpt = tmp_path / "checkpoints"
+    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "6",
+                       "--eval-every", "0", "--save-every", "2", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"zerojax train: error: cannot write step 4 to {ckpt}: no space left "
+                          f"on its device (")
+    assert err.endswith(f"free); the steps saved there before are intact; last good "
+                        f"checkpoint: step 2 in {ckpt} (continue with --resume)\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
+
+
+def test_a_renamed_step_directory_is_named_by_resume(tmp_path, reference, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    os.rename(out / "checkpoints" / "20", out / "checkpoints" / "25")  # mv 20 25
+    assert train.main([*SMALL, "--data", _data_of(reference), "--devices", "4", "--steps", "30",
+                       "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    ckpt = out / "checkpoints"
+    # Not "has no complete step 20; complete steps: [10, 25]", as before.
+    assert err == (f"zerojax train: error: step directory {ckpt / '25'} holds the record of step "
+                   f"20: it was renamed (or swapped with another); move it back to "
+                   f"{ckpt / '20'} or delete it; intact older steps: 10; resume from one with "
+                   f"--resume-step 10\n")
+
+
+def test_lost_process_line_names_the_last_of_several_saves(tmp_path, monkeypatch):
+    ckpt = tmp_path / "checkpoints"
+    for step in (3, 6, 9, 12):
+        (ckpt / str(step)).mkdir(parents=True)
+    (ckpt / "15.orbax-checkpoint-tmp-7").mkdir()  # a save in progress is not saved
+    watch = object.__new__(peers.PeerWatch)  # without a distributed runtime
+    watch.processes, watch.ckpt, watch._lock = 3, ckpt, threading.Lock()
+    lines = []
+    monkeypatch.setattr(peers, "_exit_now", lambda line, code: lines.append((line, code)))
+    watch.exit([1, 2])
+    watch.exit([0])
+    tail = (f"it stopped responding; last saved step 12 in {ckpt} (restart every process with "
+            f"--resume)")
+    assert lines == [(f"zerojax train: error: lost processes 1, 2 of 3; {tail}", 1),
+                     (f"zerojax train: error: lost process 0 (the coordinator) of 3; {tail}", 1)]
 
 
 # --------------------------------------------------------------------------------- runs
@@ -390,10 +484,14 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, reference):
     assert r.returncode == 0, r.stderr
     assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 21))
     np.testing.assert_array_equal(losses(out), losses(reference))
-    # Resumed past --steps: nothing to train, and step 20's state is not saved as step 5.
+    # Resumed past --steps: nothing to train, so it is refused (not "done"), and step 20's
+    # state is not saved as step 5.
     r = zerojax("train", *SMALL, "--data", _data_of(reference), "--devices", 4, "--steps", 5,
                 "--out", out, "--resume")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"zerojax train: error: --steps=5 is below step 20, where the run in "
+                        f"'{out}' resumes: nothing to train; --steps is the total, so pass more "
+                        f"than 20 to train on\n")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]
 
 
@@ -433,12 +531,22 @@ def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, mo
     np.testing.assert_allclose(losses(out), losses(reference), rtol=0, atol=1e-6)
 
     # A longer run re-plans the cosine schedule: the note gives step 21's lr before and after.
+    # metrics.jsonl deleted before it: the table says the new file lacks steps 1-20.
+    metrics.unlink()
     assert train.main([*args, "--steps", "21", "--resume"]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert ("schedule re-planned for 21 steps (saved: 20): lr at step 21 3.00e-04 → 3.55e-04"
             in shown)
+    assert ("metrics.jsonl was missing: it holds only the steps from 21 on (steps 1-20 were "
+            "trained before this resume)" in shown)
+    assert [r["step"] for r in records(out)] == [21]
     assert records(out)[-1]["lr"] == pytest.approx(3e-4 + 2.7e-3 * (1 + math.cos(math.pi * 10 /
                                                                              11)) / 2)
+    # Resumed at --steps: nothing to train, and the table says so.
+    assert train.main([*args, "--steps", "21", "--resume"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "already at step 21 of --steps 21: nothing to train" in shown
+    assert "metrics.jsonl" not in shown and [r["step"] for r in records(out)] == [21]
 
 
 @pytest.mark.slow

@@ -141,6 +141,12 @@ def test_quantized_reduce_scatter_is_the_sum_within_the_pieces_bounds(fmt):
     ({"stage": 0, "quantize_weights": "int8"}, "stage 0 gathers no params"),
     ({"quantize_grads": "int8", "reduce_dtype": "float32"}, "drop reduce_dtype"),
     ({"stage": 2, "hpz": True}, "needs stage=3"),
+    # Types are refused, not coerced (a float block, a string hpz, a non-string format).
+    ({"quantize_grads": "int8", "quant_block": 256.0}, "quant_block=256.0 (float) must be an "
+                                                       "integer >= 8"),
+    ({"hpz": "yes"}, "hpz='yes' (str) must be True or False"),
+    ({"quantize_weights": 8}, "quantize_weights=8 is not a weight format; use 'int8'"),
+    ({"quantize_grads": True}, "quantize_grads=True is not a gradient format"),
 ])
 def test_bad_combinations_name_the_fix(kw, words):
     with pytest.raises(ConfigError, match=None) as e:

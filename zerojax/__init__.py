@@ -18,7 +18,15 @@ from zerojax.analysis.accounting import (
 from zerojax.analysis.planning import PlanResult, plan
 from zerojax.config import ZeroConfig
 from zerojax.engine import Engine
-from zerojax.errors import BatchError, CheckpointError, ConfigError, MeshError, ModelError
+from zerojax.errors import (
+    ArgumentError,
+    BatchError,
+    CheckpointError,
+    ConfigError,
+    MeshError,
+    ModelError,
+    StateError,
+)
 from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
 from zerojax.protocol import Model, Units
 from zerojax.step import TrainState
@@ -26,6 +34,7 @@ from zerojax.step import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "BatchError",
     "CheckpointError",
     "CommEstimate",
@@ -38,6 +47,7 @@ __all__ = [
     "Model",
     "ModelError",
     "PlanResult",
+    "StateError",
     "TrainState",
     "Units",
     "ZeroConfig",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from zerojax.errors import ConfigError
 from zerojax.precision import dtype_name
@@ -66,21 +69,33 @@ class ZeroConfig:
     hpz: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
+        stage = _integer("stage", self.stage)
+        if stage not in STAGES:
             raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use one of {STAGES}")
+        object.__setattr__(self, "stage", stage)
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
         if self.reduce_dtype is not None:
             object.__setattr__(self, "reduce_dtype", dtype_name(self.reduce_dtype))
-        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) \
-                or self.grad_accum < 1:
+        accum = _integer("grad_accum", self.grad_accum, "a positive integer")
+        if accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum!r} must be a positive integer")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"clip_norm={self.clip_norm!r} must be positive, or None to "
-                              f"disable clipping")
+        object.__setattr__(self, "grad_accum", accum)
+        for name in ("remat", "prefetch"):
+            object.__setattr__(self, name, _boolean(name, getattr(self, name)))
+        if self.clip_norm is not None:
+            object.__setattr__(self, "clip_norm", _positive(
+                "clip_norm", self.clip_norm, "a positive number, or None to disable clipping"))
         ls = self.loss_scale
-        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float))
-                                                  and not isinstance(ls, bool) and ls > 0)):
-            raise ConfigError(f"loss_scale={ls!r} must be 'dynamic', a positive number, or None")
+        if ls is not None and ls != "dynamic":
+            object.__setattr__(self, "loss_scale", _positive(
+                "loss_scale", ls, "'dynamic', a positive finite number, or None"))
+        object.__setattr__(self, "loss_scale_init", _positive(
+            "loss_scale_init", self.loss_scale_init, "a positive finite number (the first "
+            "dynamic loss scale, e.g. 2.0**15)"))
+        interval = _integer("loss_scale_interval", self.loss_scale_interval, "an integer >= 1")
+        if interval < 1:
+            raise ConfigError(f"loss_scale_interval={self.loss_scale_interval!r} must be >= 1")
+        object.__setattr__(self, "loss_scale_interval", interval)
         if self.prefetch and self.stage != 3:
             raise ConfigError(f"prefetch=True needs stage=3 (got stage={self.stage}); prefetch "
                               f"overlaps the per-layer parameter gather, which only stage 3 has")
@@ -91,23 +106,24 @@ class ZeroConfig:
             raise ConfigError(f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage=0); "
                               f"stage 0 keeps a full optimizer copy per device, so there is "
                               f"no shard to offload")
-        if self.loss_scale_interval < 1:
-            raise ConfigError(f"loss_scale_interval={self.loss_scale_interval!r} must be >= 1")
         self._check_zeropp()
 
     def _check_zeropp(self) -> None:
         """The ZeRO++ options (qwZ, qgZ, hpZ) and how they combine with the others."""
-        qw, qg, block = self.quantize_weights, self.quantize_grads, self.quant_block
-        if qw is not None and qw not in WEIGHT_FORMATS:
+        qw, qg = self.quantize_weights, self.quantize_grads
+        if qw is not None and (not isinstance(qw, str) or qw not in WEIGHT_FORMATS):
             raise ConfigError(f"quantize_weights={qw!r} is not a weight format; use 'int8' "
                               f"(qwZ) or None")
-        if qg is not None and qg not in GRAD_FORMATS:
+        if qg is not None and (not isinstance(qg, str) or qg not in GRAD_FORMATS):
             raise ConfigError(f"quantize_grads={qg!r} is not a gradient format; use one of "
                               f"{GRAD_FORMATS} (qgZ) or None")
-        if isinstance(block, bool) or not isinstance(block, int) or block < 8:
+        block = _integer("quant_block", self.quant_block,
+                         f"an integer >= 8 (the default is {QUANT_BLOCK})")
+        if block < 8:
             raise ConfigError(f"quant_block={block!r} must be an integer >= 8 (one float32 "
                               f"scale per block: smaller blocks send more scale than values); "
                               f"the default is {QUANT_BLOCK}")
+        object.__setattr__(self, "quant_block", block)
         if qg == "int4" and block % 2:
             raise ConfigError(f"quant_block={block} is odd, but quantize_grads='int4' packs two "
                               f"values per byte, so a block must fill whole bytes; use an even "
@@ -121,8 +137,7 @@ class ZeroConfig:
                               f"both set the gradient reduction: qgZ sends {qg} and sums in "
                               f"float32; drop reduce_dtype (or quantize_grads for a plain "
                               f"{self.reduce_dtype} reduction)")
-        if not isinstance(self.hpz, bool):
-            raise ConfigError(f"hpz={self.hpz!r} must be True or False")
+        object.__setattr__(self, "hpz", _boolean("hpz", self.hpz))
         if self.hpz and self.stage != 3:
             raise ConfigError(f"hpz=True needs stage=3 (got stage={self.stage}): hpZ keeps a "
                               f"secondary copy of the params that stage 3 shards")
@@ -156,3 +171,30 @@ class ZeroConfig:
         if self.dynamic_scale:
             return float(self.loss_scale_init)
         return float(self.loss_scale) if self.loss_scale is not None else 1.0
+
+
+def _integer(name: str, v, want: str = "an integer") -> int:
+    """`v` as an int; a float (3.0), bool or string is refused, not rounded."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) must be {want}")
+    return int(v)
+
+
+def _boolean(name: str, v) -> bool:
+    """`v` as a bool; a string ("no" is truthy) or a number is refused."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) must be True or False")
+    return bool(v)
+
+
+def _positive(name: str, v, want: str) -> float:
+    """`v` as a float that is positive and finite, also once stored as float32 (a loss scale
+    of 1e39 would be inf on the device)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
+                                                              np.floating)):
+        raise ConfigError(f"{name}={v!r} ({type(v).__name__}) must be {want}")
+    with np.errstate(over="ignore"):
+        ok = v > 0 and math.isfinite(v) and np.isfinite(np.float32(v))
+    if not ok:
+        raise ConfigError(f"{name}={v!r} must be {want}")
+    return float(v)

@@ -16,7 +16,20 @@ from jax.sharding import PartitionSpec as P
 from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, ModelError
-from zerojax.mesh import DATA, REPLICA, batch_axes, check_batch, mesh_sizes, put_batch
+from zerojax.mesh import (
+    DATA,
+    REPLICA,
+    batch_axes,
+    check_batch,
+    check_batch_like,
+    check_key,
+    check_mesh,
+    check_state,
+    mesh_sizes,
+    naming_the_batch,
+    put_batch,
+    remember_batch,
+)
 from zerojax.partition import Layout, LeafSpec
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.step import (
@@ -52,6 +65,7 @@ class Engine:
                 raise ModelError(f"model {type(model).__name__} has no {name}() method; a "
                                  f"zerojax model defines init(rng) and loss(params, batch, units)")
         optimizer = as_transformation(optimizer)
+        check_mesh(mesh)
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
         self.owners = bool(owners)
         self.replica, self.data = mesh_sizes(mesh)
@@ -211,7 +225,10 @@ class Engine:
         `rng` itself initializes the params (as `model.init(rng)` does); the model state is
         initialized with `fold_in(rng, 1)` and the training keys derive from `fold_in(rng, 2)`.
         """
-        self._discover(jax.eval_shape(self.model.init, rng), batch)
+        check_key(rng)
+        with naming_the_batch(batch):
+            self._discover(jax.eval_shape(self.model.init, rng), batch)
+        remember_batch(self, batch)
 
         def build(r):
             state_key, train_key = _derived_keys(r)
@@ -226,6 +243,7 @@ class Engine:
         `rng` (default `jax.random.key(0)`) derives the training keys as in `init`;
         `model_state` defaults to `model.init_state(fold_in(rng, 1))`."""
         rng = jax.random.key(0) if rng is None else rng
+        check_key(rng)
         expected = jax.eval_shape(self.model.init, jax.random.key(0))
         _check_same_structure(expected, params)
         if model_state is not None:
@@ -233,7 +251,9 @@ class Engine:
             if want is None:
                 raise ModelError("model_state= was given but the model has no init_state(rng)")
             _check_same_structure(want, model_state, "model_state")
-        self._discover(expected, batch)
+        with naming_the_batch(batch):
+            self._discover(expected, batch)
+        remember_batch(self, batch)
 
         def build(params, r, model_state):
             state_key, train_key = _derived_keys(r)
@@ -262,17 +282,22 @@ class Engine:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global `batch` (this process's slice in multi-process runs).
 
-        Donates `state`. Metrics: "loss", "grad_norm" (global, before clipping), the model's
-        aux metrics, and for dynamic loss scaling "loss_scale" and "skipped".
+        Donates `state`. Metrics: "loss", "grad_norm" (global, before clipping), "nonfinite"
+        (1 if a gradient held NaN or inf, in every precision, else 0), the model's aux metrics,
+        and for dynamic loss scaling "loss_scale" and "skipped".
         """
         self.layout  # noqa: B018 -- raises a clear error before init
+        check_state(self, state)
         check_batch(batch, self.mesh, self.config.grad_accum, jax.process_count())
+        check_batch_like(self, batch)
         return self._compiled_step()(state, put_batch(batch, self.mesh))
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """Mean loss (and the model's aux metrics) on `batch`, computed sharded like the step."""
         self.layout  # noqa: B018 -- raises a clear error before init
+        check_state(self, state)
         check_batch(batch, self.mesh, 1, jax.process_count())
+        check_batch_like(self, batch)
         if self._eval_fn is None:
             body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
                                  in_specs=(self.state_specs(), P(self.axes)), out_specs=P(),
@@ -282,17 +307,22 @@ class Engine:
 
     def lower(self, state=None, batch=None):
         """`jax.jit(...).lower` of the step, for abstract or concrete inputs."""
+        if state is not None:
+            check_state(self, state)
         state = self.abstract_state() if state is None else state
         return self._compiled_step().lower(state, batch)
 
     def params(self, state: TrainState) -> Any:
         """Logical fp32 master params: original shapes, padding removed."""
         layout, offload = self.layout, self.config.offload is not None
+        check_state(self, state)
         return jax.jit(lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m))(
             state.master)
 
     def model_state(self, state: TrainState) -> Any:
         """The logical model state (None for a model without `init_state`)."""
+        self.layout  # noqa: B018 -- raises a clear error before init
+        check_state(self, state)
         return state.model_state
 
     def optimizer_state(self, state: TrainState) -> Any:
@@ -366,10 +396,15 @@ class Engine:
         return jax.jit(build, out_shardings=self.state_shardings())(tree)
 
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
-             keep: int | None = None, extra: dict | None = None) -> int:
-        """Saves `state` in the logical layout (any stage, any N); see `zerojax.checkpoint.save`."""
+             keep: int | None = None, extra: dict | None = None,
+             allow_nonfinite: bool = False) -> int:
+        """Saves `state` in the logical layout (any stage, any N); see `zerojax.checkpoint.save`.
+
+        A state whose params or optimizer moments hold NaN or inf is refused (CheckpointError
+        naming the first such leaf) unless `allow_nonfinite=True`."""
         from zerojax import checkpoint  # orbax is imported only by those who checkpoint
-        return checkpoint.save(self, state, directory, step, wait=wait, keep=keep, extra=extra)
+        return checkpoint.save(self, state, directory, step, wait=wait, keep=keep, extra=extra,
+                               allow_nonfinite=allow_nonfinite)
 
     def restore(self, directory, step: int | None = None) -> TrainState:
         """The saved state of `step` (default: latest) on this engine's mesh and stage."""

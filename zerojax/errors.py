@@ -17,6 +17,16 @@ class BatchError(ZeroError):
     """A batch whose leaves cannot be split over the data-parallel devices."""
 
 
+class StateError(ZeroError, TypeError):
+    """A state that is not a `TrainState` of this engine (None, another stage's or layout's,
+    or one donated to an earlier step); also a `TypeError`."""
+
+
+class ArgumentError(ZeroError, TypeError):
+    """An argument of the wrong kind (a seed where a PRNG key belongs, a string step); also a
+    `TypeError`."""
+
+
 class ModelError(ZeroError):
     """A model that breaks the `Model` protocol (e.g. a parameter it never gathers)."""
 
@@ -26,9 +36,13 @@ class CheckpointError(ZeroError):
 
     `intact_steps`: when restoring the latest step failed because it is damaged, the older
     steps that restore, newest first (else empty); `damage`: then what is wrong with the
-    latest step, without the advice on `step=` that the message adds."""
+    latest step, without the advice on `step=` that the message adds. `nonfinite`: when a
+    save refused a state holding NaN or inf, the first such leaf (e.g. "params['w']"), and
+    `step` the step it would have saved (else both None)."""
 
-    def __init__(self, *args, intact_steps=(), damage: str | None = None):
+    def __init__(self, *args, intact_steps=(), damage: str | None = None,
+                 nonfinite: str | None = None, step: int | None = None):
         super().__init__(*args)
         self.intact_steps: list[int] = list(intact_steps)
         self.damage = damage
+        self.nonfinite, self.step = nonfinite, step

@@ -1,15 +1,25 @@
-"""Device meshes, `jax.distributed` start-up, and placing the global batch on the mesh."""
+"""Device meshes, `jax.distributed` start-up, placing the global batch on the mesh, and the
+checks of what a call brings to the engine (meshes, keys, batches, states): each refused with
+one zerojax error naming the value and the fix before anything is traced.
+
+The step runs every iteration, so its checks compare the state and the batch with expectations
+cached once per layout (tree structures, shapes and dtypes, in Python); none of them touches a
+device.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import weakref
+from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.errors import BatchError, MeshError
+from zerojax.errors import ArgumentError, BatchError, MeshError, StateError
 
 DATA = "data"
 REPLICA = "replica"
@@ -125,3 +135,190 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     else:
         jax.distributed.initialize(coordinator, num_processes=num_processes,
                                    process_id=process_id, **kwargs)
+
+
+# ------------------------------------------------------------------------------- at the door
+
+# engine -> (its plan when cached, {state path: (shape, dtype)}, state treedef, mesh devices)
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# engine -> (batch treedef, {batch path: (shape without the batch axis, dtype)}, its type name)
+_BATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_key(rng, name: str = "rng") -> None:
+    """`rng` must be one PRNG key: a typed key (`jax.random.key`) or raw key data
+    (`jax.random.PRNGKey`)."""
+    dtype = getattr(rng, "dtype", None)
+    shape = getattr(rng, "shape", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape == ():
+            return
+        raise ArgumentError(f"{name} is an array of {shape} PRNG keys; pass one key, e.g. "
+                            f"jax.random.key(0)")
+    if dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
+        return  # the raw data of a default (threefry) key, as jax.random.PRNGKey makes
+    raise ArgumentError(f"{name}={_short(rng)} is not a PRNG key; pass jax.random.key(seed), "
+                        f"e.g. jax.random.key(0)")
+
+
+def check_mesh(mesh) -> None:
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh={_short(mesh)} is not a jax.sharding.Mesh; build one with "
+                        f"zerojax.make_mesh(data=N) (or make_mesh(replica=R, data=N))")
+
+
+# ------------------------------------------------------------------------------- the state
+
+
+def _state_expectation(engine):
+    cached = _STATES.get(engine)
+    if cached is not None and cached[0] is engine.plan:
+        return cached[1:]
+    abstract = engine.abstract_state()
+    flat, treedef = jax.tree.flatten_with_path(abstract)
+    want = {jax.tree_util.keystr(p): (tuple(x.shape), np.dtype(x.dtype)) for p, x in flat}
+    _STATES[engine] = (engine.plan, want, treedef, frozenset(engine.mesh.devices.flat))
+    return want, treedef, _STATES[engine][3]
+
+
+def check_state(engine, state) -> None:
+    """`state` must be a live `TrainState` of `engine`'s stage, dtypes, mesh and model."""
+    from zerojax.step import TrainState  # step.py imports this module
+
+    if not isinstance(state, TrainState):
+        raise StateError(f"state is {_short(state)} ({type(state).__name__}), not a "
+                         f"zerojax.TrainState; pass the state that engine.init, init_from, "
+                         f"restore or step returned")
+    want, treedef, devices = _state_expectation(engine)
+    leaves, got_def = jax.tree.flatten(state)  # the fast path, taken every step
+    sharding = getattr(state.step, "sharding", None)
+    if sharding is not None and sharding.device_set != devices:
+        raise StateError(
+            f"state is on devices {sorted(d.id for d in sharding.device_set)}, this engine's "
+            f"mesh on {sorted(d.id for d in devices)}: a state of another mesh. To change "
+            f"devices, save it and restore it into this engine")
+    if got_def == treedef:
+        for i, (x, (shape, dtype)) in enumerate(zip(leaves, want.values())):
+            if getattr(x, "shape", None) != shape or getattr(x, "dtype", None) != dtype:
+                break
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise StateError(
+                    f"state{list(want)[i]} was donated to an earlier engine.step (its buffers "
+                    f"are deleted); pass the state that step returned: state, metrics = "
+                    f"engine.step(state, batch)")
+        else:
+            return
+    flat = jax.tree.flatten_with_path(state)[0]
+    got = {jax.tree_util.keystr(p): _aval(x) for p, x in flat}
+    want = {k: f"{np.dtype(d).name}{shape}" for k, (shape, d) in want.items()}
+    diffs = []
+    for field in type(state)._fields:  # the first difference of each field
+        mine = {k: v for k, v in want.items() if k.split("[")[0] == f".{field}"}
+        theirs = {k: v for k, v in got.items() if k.split("[")[0] == f".{field}"}
+        if len(mine) != len(theirs):
+            diffs.append(f"state.{field} holds {len(theirs) or 'no'} arrays, this engine's "
+                         f"{len(mine) or 'none'}")
+            continue
+        for (k, v), (j, w) in zip(theirs.items(), mine.items()):
+            if (k, v) != (j, w):
+                diffs.append(f"state{k} is {v}, this engine's state{j} {w}" if k != j else
+                             f"state{k} is {v}, this engine's {w}")
+                break
+    if not diffs:  # the same arrays in other containers
+        diffs.append(f"its tree structure differs ({got_def}, this engine's {treedef})")
+    cfg = engine.config
+    raise StateError(
+        f"state is not a state of this engine (stage {cfg.stage}, {cfg.param_dtype}, "
+        f"{engine.replica * engine.data} devices): {'; '.join(diffs)}. A state of another "
+        f"stage, dtype, device count or model? To change stage or devices, save it and "
+        f"restore it into this engine")
+
+
+def _aval(x) -> str:
+    dtype = getattr(x, "dtype", None)
+    name = np.dtype(dtype).name if dtype is not None else type(x).__name__
+    return f"{name}{tuple(np.shape(x)) if dtype is not None else ''}"
+
+
+# ------------------------------------------------------------------------------- the batch
+
+
+def _describe(batch):
+    flat, treedef = jax.tree.flatten_with_path(batch)
+    leaves = {}
+    for path, x in flat:
+        shape = getattr(x, "shape", None)
+        shape = np.shape(x) if shape is None else shape
+        dtype = jax.dtypes.canonicalize_dtype(jnp.result_type(x)) if hasattr(x, "dtype") \
+            else None
+        leaves[jax.tree_util.keystr(path)] = (tuple(shape[1:]), dtype)
+    return treedef, leaves, type(batch).__name__
+
+
+def remember_batch(engine, batch) -> None:
+    """Takes `batch` (the example batch of init) as what later batches must look like."""
+    _BATCHES[engine] = _describe(batch)
+
+
+def check_batch_like(engine, batch) -> None:
+    """`batch` must have the keys, dtypes and shapes (but for the batch axis) of the batch the
+    engine was initialized with; the first batch after a `restore` sets them."""
+    want = _BATCHES.get(engine)
+    if want is None:
+        _BATCHES[engine] = _describe(batch)
+        return
+    leaves, got_def = jax.tree.flatten(batch)  # the fast path, taken every step
+    if got_def == want[0] and all(
+            tuple(getattr(x, "shape", ())[1:]) == shape and getattr(x, "dtype", None) is not None
+            and jax.dtypes.canonicalize_dtype(x.dtype) == dtype
+            for x, (shape, dtype) in zip(leaves, want[1].values())):
+        return
+    treedef, leaves, kind = want
+    got_def, got, got_kind = _describe(batch)
+    if got_def != treedef:
+        missing = [k for k in leaves if k not in got]
+        extra = [k for k in got if k not in leaves]
+        if got_kind != kind:
+            what = f"the batch is a {got_kind}; the engine was initialized with a {kind}"
+        else:
+            what = "the batch has other leaves than the one the engine was initialized with"
+        parts = [f"missing batch{', batch'.join(missing[:5])}" if missing else "",
+                 f"extra batch{', batch'.join(extra[:5])}" if extra else ""]
+        detail = "; ".join(p for p in parts if p) or f"keys {list(got)}, expected {list(leaves)}"
+        raise BatchError(f"{what} ({detail}); pass batches with the keys of the init batch "
+                         f"({', '.join(leaves) or 'none'})")
+    for (name, (shape, dtype)), (_, (want_shape, want_dtype)) in zip(got.items(),
+                                                                     leaves.items()):
+        if shape != want_shape or dtype != want_dtype:
+            show = lambda s, d: (np.dtype(d).name if d is not None else "no dtype") + \
+                "[" + ", ".join(["B", *map(str, s)]) + "]"
+            raise BatchError(
+                f"batch{name} is {show(shape, dtype)}; the engine was initialized with "
+                f"{show(want_shape, want_dtype)} (any batch size B, the other axes and the dtype "
+                f"as at init)")
+
+
+@contextlib.contextmanager
+def naming_the_batch(batch):
+    """Turns the KeyError or TypeError a model raises on an example batch that lacks a key it
+    reads, or that is not a mapping, into a BatchError that says so."""
+    try:
+        yield
+    except KeyError as e:
+        key = e.args[0] if e.args else None
+        if not isinstance(batch, Mapping) or key in batch or not isinstance(key, str):
+            raise
+        raise BatchError(f"the model reads batch[{key!r}], which the batch lacks (its keys: "
+                         f"{sorted(map(str, batch))}); pass a batch with every key the model "
+                         f"reads") from None
+    except TypeError as e:
+        if isinstance(batch, Mapping):
+            raise
+        raise BatchError(f"the model's loss failed on a batch that is a "
+                         f"{type(batch).__name__}, not a dict ({e}); pass the batch as the "
+                         f"model reads it, e.g. {{'inputs': ..., 'targets': ...}}") from None
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -245,7 +245,10 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         metrics["skipped"] = (~finite).astype(jnp.int32)
 
     compute = _refresh(plan, shards, state.compute) if plan.stores_compute else None
-    metrics.update(loss=means.pop("loss"), grad_norm=norm, **means)
+    # In every precision, not only where dynamic loss scaling skips the step: a NaN batch or a
+    # diverged fp32 run is flagged in the step that made it.
+    metrics.update(loss=means.pop("loss"), grad_norm=norm,
+                   nonfinite=(~jnp.isfinite(norm)).astype(jnp.int32), **means)
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
                            model_state)
     return new_state, metrics

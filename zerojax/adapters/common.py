@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ from jax import lax
 
 from zerojax.errors import ModelError
 
-_LOCK = threading.RLock()  # the patch of flax's scan is process-wide
+LOCK = threading.RLock()  # the patches of flax's scan and of jax.lax are process-wide
 
 
 @contextlib.contextmanager
@@ -54,7 +55,7 @@ def scan_through(units, placeholders: dict, used: set, owner, attr: str, proxy):
         c, _, ys = units.scan(body, (init, jnp.int32(0), ys0), [h for h in hs if h is not None])
         return c, ys
 
-    with _LOCK:
+    with LOCK:
         saved = getattr(owner, attr)
         setattr(owner, attr, proxy(scan))
         try:
@@ -236,3 +237,13 @@ def fresh_key(units):
         return units.rng()
     except ModelError:
         return None
+
+
+def takes_rngs(loss_fn) -> bool:
+    """Whether `loss_fn` takes a third positional argument (the step's keys)."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the two-argument form
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3

@@ -6,6 +6,10 @@ its handles and runs the instance as its own `apply`, both inside one rematerial
 (`common.unit_call`). A unit stacked by `nn.scan` gets zero-cost placeholders of its stacked
 shape instead; flax's scan loop over them (`flax.core.axes_scan`) is replaced, for that call
 only, by `units.scan`, which hands flax's layer body the gathered layer in their place.
+
+Params boxed with sharding hints (`nn.with_partitioning`, `nn.with_logical_partitioning`) are
+trained as plain arrays, which linen's `apply` takes as it takes its boxes; `merge` boxes them
+again. The model's own axis names and hints: see `axes.py`.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core import axes_scan
+from flax.core import axes_scan, meta
 
+from zerojax.adapters.axes import bound_axes, check_batch_axis, model_axes
 from zerojax.adapters.common import (
     LaxWith,
     at_path,
@@ -27,6 +32,7 @@ from zerojax.adapters.common import (
     put_paths,
     scan_through,
     split_paths,
+    takes_rngs,
     training,
     unit_call,
 )
@@ -37,11 +43,13 @@ class LinenModel:
     """A linen module trained by zerojax (see `from_linen`)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=(),
-                 rngs=("dropout",)):
+                 rngs=("dropout",), batch_axis: str | None = None):
         if not isinstance(module, nn.Module):
             raise ModelError(f"from_linen needs a flax.linen Module, got {type(module).__name__}"
                              f"; for an NNX module use zj.from_nnx")
         self.module, self.loss_fn = module, loss_fn
+        self.batch_axis = check_batch_axis(batch_axis)
+        self._loss_takes_rngs = takes_rngs(loss_fn)
         sample_args = sample_args if isinstance(sample_args, tuple) else (sample_args,)
         # engine.init runs module.init for real, which needs arrays.
         self.sample_args = jax.tree.map(
@@ -49,7 +57,8 @@ class LinenModel:
             sample_args)
         self.classes = check_unit_classes(units)
         self.rng_names = tuple(rngs)
-        abstract = jax.eval_shape(self._variables, jax.random.key(0))
+        self.boxes = jax.eval_shape(self._boxed_variables, jax.random.key(0))  # as module.init
+        abstract = unbox(self.boxes)
         if "params" not in abstract:
             raise ModelError(f"{type(module).__name__}.init(...) made no params; check "
                              f"sample_args, the arguments of one call of the module")
@@ -58,11 +67,17 @@ class LinenModel:
         if self.state_cols:
             self.init_state = self._init_state
 
-    def _variables(self, rng):
-        # "params" gets `rng` itself, as `module.init(rng, ...)` does.
+    def _boxed_variables(self, rng):
+        # "params" gets `rng` itself, as `module.init(rng, ...)` does. The batch axis names
+        # are bound: a sample call in training mode may reduce over them.
         rngs = {"params": rng, **{n: jax.random.fold_in(rng, i + 1)
                                   for i, n in enumerate(self.rng_names)}}
-        return dict(self.module.init(rngs, *self.sample_args))
+        init = bound_axes(lambda: dict(self.module.init(rngs, *self.sample_args)),
+                          self.batch_axis)
+        return init()
+
+    def _variables(self, rng):
+        return unbox(self._boxed_variables(rng))
 
     def init(self, rng: jax.Array) -> dict:
         return self._variables(rng)["params"]
@@ -89,10 +104,10 @@ class LinenModel:
         def run(variables):
             rngs = {n: jax.random.key(0) for n in self.rng_names}
             with nn.intercept_methods(record):
-                return self.module.apply(variables, *self.sample_args, rngs=rngs,
-                                         mutable=list(self.state_cols))
+                self.module.apply(variables, *self.sample_args, rngs=rngs,
+                                  mutable=list(self.state_cols))
 
-        jax.eval_shape(run, abstract)
+        jax.eval_shape(bound_axes(run, self.batch_axis), abstract)
         if self.classes and not found:
             names = ", ".join(c.__name__ for c in self.classes)
             raise ModelError(f"the model calls no instance of the unit class(es) {names}; "
@@ -107,26 +122,40 @@ class LinenModel:
         return instances, stacks
 
     def loss(self, params, batch, units):
-        return self.loss_fn(Apply(self, params, units), batch)
+        apply = Apply(self, params, units)
+        with model_axes(self.batch_axis):
+            if self._loss_takes_rngs:
+                return self.loss_fn(apply, batch, apply.fresh_rngs())
+            return self.loss_fn(apply, batch)
 
     def merge(self, params: dict, model_state: dict | None = None) -> dict:
-        """The linen variables `{"params": params, **model_state}` for `module.apply`."""
-        return {"params": params, **(model_state or {})}
+        """The linen variables `{"params": params, **model_state}` for `module.apply`, boxed
+        as `module.init` boxes them (`nn.with_partitioning` hints and the like)."""
+        variables = {"params": params, **(model_state or {})}
+        return rebox({c: self.boxes[c] for c in variables}, variables)
 
 
 class Apply:
     """`apply(*args, **kwargs)`: `module.apply` with this step's params, rngs and state.
 
     `apply.training` is `units.training` (True in `engine.step`, False in `engine.evaluate`),
-    for the module's `train` / `deterministic` argument.
+    for the module's `train` / `deterministic` argument. `rngs=` (a dict of keys by stream)
+    overrides the step's keys for the streams it names.
     """
 
     def __init__(self, model: LinenModel, params, units):
         self.model, self.params, self.units = model, params, units
         self.training = training(units)
         self._inside = False  # in a unit's own apply, whose calls run plainly
+        self._streams: tuple = ()  # the rng streams of the apply being run
 
-    def __call__(self, *args, method=None, **kwargs):
+    def fresh_rngs(self) -> dict:
+        """A fresh key for each stream in `from_linen(..., rngs=)`: the step's keys (in
+        `engine.evaluate` too, fixed per evaluation); empty from units without keys."""
+        keys = {n: fresh_key(self.units) for n in self.model.rng_names}
+        return {n: k for n, k in keys.items() if k is not None}
+
+    def __call__(self, *args, method=None, rngs=None, **kwargs):
         model, units = self.model, self.units
         parts, root = split_paths(self.params, [*model.instances, *model.stacks])
         if jax.tree.leaves(root):
@@ -141,8 +170,10 @@ class Apply:
         variables = {"params": put_paths(root, parts)}
         state = units.state if model.state_cols else None
         variables.update(state or {})
-        keys = {n: fresh_key(units) for n in model.rng_names} if self.training else {}
-        rngs = {n: k for n, k in keys.items() if k is not None}
+        if rngs is not None and not isinstance(rngs, dict):
+            rngs = {"params": rngs}  # as module.apply takes one key
+        rngs = {**self.fresh_rngs(), **(rngs or {})}
+        self._streams = tuple(rngs)
         used: set[int] = set()
         with scan_through(units, placeholders, used, axes_scan, "lax", LaxWith), \
                 nn.intercept_methods(self._intercept):
@@ -166,7 +197,7 @@ class Apply:
             return next_fun(*args, **kwargs)
         cols = {c: v for c, v in m.variables.items() if c != "params"}
         mutable = [c for c in cols if m.is_mutable_collection(c)]
-        rngs = {n: m.make_rng(n) for n in self.model.rng_names if m.has_rng(n)}
+        rngs = {n: m.make_rng(n) for n in self._streams if m.has_rng(n)}
         unbound = m.clone(parent=None)
         method = ctx.method_name
 
@@ -186,20 +217,48 @@ class Apply:
         return out
 
 
+def _is_box(x) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _unboxed(box):
+    """A box's value, without the sharding constraint `Partitioned.unbox` applies under a mesh
+    (it would name axes zerojax's mesh lacks, or its manual axes)."""
+    try:
+        value = box.unbox(apply_constraint=False)
+    except TypeError:  # an AxisMetadata without the option
+        value = box.unbox()
+    return _unboxed(value) if _is_box(value) else value
+
+
+def unbox(tree):
+    """`tree` with every flax `AxisMetadata` box replaced by its value."""
+    return jax.tree.map(lambda x: _unboxed(x) if _is_box(x) else x, tree, is_leaf=_is_box)
+
+
+def rebox(boxes, tree):
+    """`tree` (unboxed) in the boxes of `boxes` (a tree like it, as `module.init` made it)."""
+    return jax.tree.map(lambda b, x: b.replace_boxed(x) if _is_box(b) else x, boxes, tree,
+                        is_leaf=_is_box)
+
+
 def _is_unit(module, classes) -> bool:
     # nn.scan(Block) etc. subclass Block; their own call is the transform, not the unit.
     return isinstance(module, classes) and type(module).__module__ != nn.transforms.__name__
 
 
-def from_linen(module: nn.Module, loss_fn: Callable[[Apply, Any], Any], sample_args,
-               units=(), rngs=("dropout",)) -> LinenModel:
+def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, units=(),
+               rngs=("dropout",), batch_axis: str | None = None) -> LinenModel:
     """A zerojax model from a linen module and `loss_fn(apply, batch) -> loss | (loss, aux)`.
 
     `apply(*args, **kwargs)` is `module.apply` with this step's params, a fresh key for each
-    stream in `rngs`, and the model state (every collection `module.init` makes besides
-    "params", e.g. "batch_stats") mutable. `sample_args`: the arguments of one call of the
-    module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s). Every instance of a class
-    in `units` is one ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining
-    params form one root unit.
+    stream in `rngs` (in `engine.evaluate` too, fixed per evaluation), and the model state
+    (every collection `module.init` makes besides "params", e.g. "batch_stats") mutable.
+    `loss_fn(apply, batch, rngs)` also gets those keys as a dict, for `apply(..., rngs=rngs)`.
+    `sample_args`: the arguments of one call of the module, for `module.init` (arrays or
+    `jax.ShapeDtypeStruct`s). Every instance of a class in `units` is one ZeRO unit; one
+    stacked by `nn.scan` is one unit per layer; the remaining params form one root unit.
+    `batch_axis`: the axis name the model's own collectives give the batch (e.g.
+    `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
     """
-    return LinenModel(module, loss_fn, sample_args, units, rngs)
+    return LinenModel(module, loss_fn, sample_args, units, rngs, batch_axis)

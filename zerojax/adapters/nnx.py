@@ -6,6 +6,11 @@ variables). Every step rebuilds the module functionally (`nnx.merge`) with the r
 params gathered, fresh keys from `units.rng()` and the state from `units.state`. Each
 instance of a unit class keeps parameter handles until its `__call__`, which gathers them
 and runs the instance, both inside one rematerialized function (`common.unit_call`).
+
+`loss_fn(model, batch, rngs)` gets an `nnx.Rngs` of the step's keys for call-time dropout
+(`model(x, rngs=rngs)`). Params laid out on an explicit-axes mesh (NNX's eager sharding of
+`nnx.with_partitioning` hints under `jax.set_mesh`) are taken as plain arrays: zerojax lays
+them out its own way; their metadata stays with the module that `merge` returns.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 from flax import nnx
 from flax.nnx.transforms import iteration
 
+from zerojax.adapters.axes import check_batch_axis, model_axes
 from zerojax.adapters.common import (
     JaxWith,
     at_path,
@@ -27,6 +33,7 @@ from zerojax.adapters.common import (
     put_paths,
     scan_through,
     split_paths,
+    takes_rngs,
     training,
     unit_call,
 )
@@ -45,15 +52,19 @@ def _split(module):
 class NNXModel:
     """An NNX module trained by zerojax (see `from_nnx`)."""
 
-    def __init__(self, module: nnx.Module, loss_fn: Callable, units=()):
+    def __init__(self, module: nnx.Module, loss_fn: Callable, units=(), rngs=("dropout",),
+                 batch_axis: str | None = None):
         if not isinstance(module, nnx.Module):
             raise ModelError(f"from_nnx needs an nnx.Module, got {type(module).__name__}; "
                              f"for a linen module use zj.from_linen")
         self.loss_fn = loss_fn
         self.classes = check_unit_classes(units)
+        self.rng_names = tuple(rngs)
+        self.batch_axis = check_batch_axis(batch_axis)
+        self._loss_takes_rngs = takes_rngs(loss_fn)
         self.graphdef, params, self._rngs, state = _split(module)
-        self._params = nnx.to_pure_dict(params)
-        self._state = nnx.to_pure_dict(state)
+        self._params = jax.tree.map(_unpinned, nnx.to_pure_dict(params))
+        self._state = jax.tree.map(_unpinned, nnx.to_pure_dict(state))
         self._state_def = state
         self._params_def = params
         self.unit_paths = _outermost(
@@ -92,11 +103,13 @@ class NNXModel:
         for path in self.unit_paths:
             node = _node(module, path)
             object.__setattr__(node, "__class__", _unit_class(type(node)))
+        args = (module, batch, self._call_rngs(units)) if self._loss_takes_rngs else (module, batch)
         used: set[int] = set()
         token = _ACTIVE.set((units, placeholders, used))
         try:
-            with scan_through(units, placeholders, used, iteration, "jax", JaxWith):
-                out = self.loss_fn(module, batch)
+            with scan_through(units, placeholders, used, iteration, "jax", JaxWith), \
+                    model_axes(self.batch_axis):
+                out = self.loss_fn(*args)
         finally:
             _ACTIVE.reset(token)
         if used != set(placeholders):
@@ -110,12 +123,22 @@ class NNXModel:
         return out
 
     def _fresh_rngs(self, units):
-        if not training(units) or not jax.tree.leaves(self._rngs) or fresh_key(units) is None:
+        if not jax.tree.leaves(self._rngs) or fresh_key(units) is None:
             return jax.tree.map(lambda x: x, self._rngs)  # new Variables, of this trace
-        # A new key per stream every step: keys kept in the module would be constants of the
-        # compiled step (the same dropout mask every step).
+        # A new key per stream every step (and evaluation): keys kept in the module would be
+        # constants of the compiled step (the same dropout mask every step).
         return jax.tree.map(lambda x: _keys(units.rng(), x.shape) if _is_key(x)
                             else jax.numpy.zeros_like(x), self._rngs)
+
+    def _call_rngs(self, units) -> nnx.Rngs:
+        """The third argument of `loss_fn`: streams "default" and those of `rngs=`, keyed by
+        the step (fixed per evaluation in `engine.evaluate`). Units without keys (a bare
+        `PlainUnits()`) get fixed keys: NNX modules read their stream even when deterministic."""
+        key = fresh_key(units)
+        if key is None:
+            keys = jax.random.split(jax.random.key(0), 1 + len(self.rng_names))
+            return nnx.Rngs(default=keys[0], **dict(zip(self.rng_names, keys[1:])))
+        return nnx.Rngs(default=key, **{n: units.rng() for n in self.rng_names})
 
     def _module(self, params: dict, rngs, state: dict | None) -> nnx.Module:
         p = jax.tree.map(lambda x: x, self._params_def)
@@ -144,21 +167,44 @@ class NNXModel:
         used.update(id(v) for v in values)
         handles = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(params)),
                                      [placeholders[id(v)][1] for v in values])
+        # NNX objects among the arguments (call-time `rngs`) go in as state and come back
+        # updated (their counters), as the module's own variables do.
+        call_args = (args, kwargs)
+        has_nodes = any(isinstance(x, (nnx.Pytree, nnx.Variable)) for x in jax.tree.leaves(
+            call_args, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable))))
+        a_def, a_vars, a_rest = nnx.split(call_args, nnx.Variable, ...) if has_nodes else (
+            None, {}, call_args)
 
-        def fn(full, args, kwargs, rest):
+        def fn(full, a_vars, a_rest, rest):
             p = jax.tree.map(lambda x: x, params)
             nnx.replace_by_pure_dict(p, full)
             inner = nnx.merge(gdef, p, rest)
+            args, kwargs = nnx.merge(a_def, a_vars, a_rest) if has_nodes else a_rest
             token = _ACTIVE.set(None)  # the unit's own call, and its submodules', run plainly
             try:
                 out = inner(*args, **kwargs)
             finally:
                 _ACTIVE.reset(token)
-            return out, nnx.split(inner, nnx.Param, ...)[2]
+            a_vars = nnx.state((args, kwargs), nnx.Variable) if has_nodes else {}
+            return out, nnx.split(inner, nnx.Param, ...)[2], a_vars
 
-        out, rest = unit_call(units, fn, handles, args, kwargs, rest)
+        out, rest, a_vars = unit_call(units, fn, handles, a_vars, a_rest, rest)
         nnx.update(module, rest)
+        if has_nodes:
+            nnx.update(call_args, a_vars)
         return out
+
+
+def _unpinned(x):
+    """`x`, or a copy on one device when its type carries a sharding on an explicit-axes mesh
+    (NNX's eager sharding under `jax.set_mesh`): the engine's init computes on the plain
+    array and lays it out over its own mesh."""
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if jax.sharding.AxisType.Explicit not in types or not x.is_fully_addressable:
+        return x
+    device = min(x.devices(), key=lambda d: d.id)
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
 
 
 def _keys(key, shape):
@@ -202,13 +248,18 @@ def _unit_class(cls: type) -> type:
     return _UNIT_CLASSES[cls]
 
 
-def from_nnx(module: nnx.Module, loss_fn: Callable[[Any, Any], Any], units=()) -> NNXModel:
+def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=(), rngs=("dropout",),
+             batch_axis: str | None = None) -> NNXModel:
     """A zerojax model from an NNX module and `loss_fn(module, batch) -> loss | (loss, aux)`.
 
     Every instance of a class in `units` is one ZeRO unit (gathered before its call, freed
     after, gathered again in backward); the remaining params form one root unit. `units=()`:
     the whole model is one unit. The module's `nnx.BatchStat`s and other non-param variables
-    are the model state; dropout draws fresh keys from the engine every step.
+    are the model state; its RNG streams draw fresh keys from the engine every step.
+    `loss_fn(module, batch, rngs)`: `rngs` is an `nnx.Rngs` of the step's keys (streams
+    "default" and those named in `rngs=`) for call-time dropout. `batch_axis`: the axis name
+    the model's own collectives give the batch (e.g. `nnx.BatchNorm(axis_name="batch")`);
+    they then run over the global batch.
     """
-    return NNXModel(module, loss_fn, units)
+    return NNXModel(module, loss_fn, units, rngs, batch_axis)
 

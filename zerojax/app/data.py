@@ -84,6 +84,9 @@ def load_tokens(path: str | os.PathLike) -> np.ndarray:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"token file {str(path)!r} is a directory; pass a .txt, .bin or .npy file")
+    if path.exists() and not path.is_file():  # /dev/null, a FIFO, a socket: no tokens to map
+        raise DataError(f"token file {str(path)!r} is not a regular file; pass a .txt, .bin or "
+                        f".npy file")
     if not path.is_file():
         raise FileNotFoundError(f"token file not found: {str(path)!r}")
     ext = path.suffix.lower()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -104,6 +103,9 @@ class TrainConfig:
     """On GPU: set XLA's latency-hiding scheduler and pipelined collective flags."""
     quiet: bool = False
     """No table and no progress; only errors and a final line."""
+    allow_nonfinite: bool = False
+    """Go on past a NaN or inf loss (float16 loss scaling skips such steps) instead of
+    stopping; a checkpoint of a NaN state is still refused."""
     config: str | None = None
     """JSON or TOML file of these options (keys: option names); command-line flags override it."""
 
@@ -116,9 +118,20 @@ def parse_args(argv: list[str]) -> TrainConfig:
     """Options from `--config FILE` (if given) overridden by the command line."""
     default = TrainConfig()
     path = _flag_value(argv, "--config")
+    values = {}
     if path is not None:
-        default = dataclasses.replace(default, **load_config_file(path), config=path)
-    return tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
+        values = load_config_file(path)
+        default = dataclasses.replace(default, **values, config=path)
+    cfg = tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
+    # --resume-step implies --resume, so only an explicit "no" contradicts it: the last of
+    # --resume / --no-resume on the command line, else the config file's resume = false.
+    said = [a for a in argv if a in ("--resume", "--no-resume")]
+    no = said[-1] == "--no-resume" if said else values.get("resume") is False
+    if no and cfg.resume_step is not None:
+        where = "--no-resume" if said else f"resume = false in {path!r}"
+        raise UsageError(f"{where} contradicts --resume-step={cfg.resume_step} (which resumes "
+                         f"from that step); drop one of them")
+    return cfg
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -160,7 +173,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 # except the seed, which jax.random.key takes as int64.
 _INTS = {"steps": 1, "batch": 1, "replica": 1, "grad_accum": 1, "eval_batches": 1, "devices": 1,
          "seq_len": 1, "save_every": 0, "eval_every": 0, "warmup": 0, "seed": 0,
-         "resume_step": 1}
+         "resume_step": 1, "num_processes": 1, "process_id": 0}
 INT_LIMIT, SEED_LIMIT = 2**31, 2**63
 
 
@@ -204,6 +217,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.num_processes is not None and not 0 <= cfg.process_id < cfg.num_processes:
         raise UsageError(f"--process-id={cfg.process_id} must be in [0, --num-processes="
                          f"{cfg.num_processes})")
+    if cfg.coordinator is not None:
+        check_coordinator(cfg.coordinator)
     if cfg.devices is not None:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     if cfg.prefetch and cfg.stage != 3:
@@ -219,6 +234,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     # A resume takes the saved optimizer (`resume_optimizer`), which only the checkpoint knows.
     optimizer = cfg.optimizer if resume else cfg.optimizer or "adamw"
     return dataclasses.replace(cfg, seq_len=seq_len, resume=resume, optimizer=optimizer)
+
+
+def check_coordinator(address: str) -> None:
+    """`--coordinator` must be HOST:PORT (jax.distributed fails on anything else with an
+    IndexError from deep inside it)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise UsageError(f"--coordinator={address!r} is not HOST:PORT; give process 0's "
+                         f"address and a free port, e.g. --coordinator 10.0.0.1:12355")
 
 
 def flag(name: str) -> str:
@@ -246,6 +270,16 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if cfg.resume_step is not None and cfg.resume_step not in steps:
         raise UsageError(f"--resume-step={cfg.resume_step}: no such checkpoint in "
                          f"{str(ckpt)!r}; its steps are {', '.join(map(str, steps))}")
+    if cfg.resume:
+        check_resume_before_steps(cfg, cfg.resume_step or max(steps))
+
+
+def check_resume_before_steps(cfg: TrainConfig, start: int) -> None:
+    """A resumed run must not start past `--steps`: it would train nothing and say done."""
+    if start > cfg.steps:
+        raise UsageError(f"--steps={cfg.steps} is below step {start}, where the run in "
+                         f"{cfg.out!r} resumes: nothing to train; --steps is the total, so "
+                         f"pass more than {start} to train on")
 
 
 def _make_writable_dir(out: Path) -> None:
@@ -291,15 +325,6 @@ def checkpoint_steps(directory: Path) -> list[int]:
         raise UsageError(f"cannot list {str(directory)!r}: {e.strerror or e}") from None
 
 
-def intact_hint(error: BaseException, flag_: str, verb: str = "resume") -> str:
-    """`error`'s message, plus the intact steps to pick instead when it names some."""
-    intact = list(getattr(error, "intact_steps", None) or [])
-    if not intact:
-        return str(error)
-    return (f"{getattr(error, 'damage', None) or error}; intact older steps: "
-            f"{', '.join(map(str, intact))}; {verb} from one with {flag_} {intact[0]}")
-
-
 def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
     """`(train, eval, description)` tokens: the embedded corpus or `--data`."""
     if cfg.data is None:
@@ -321,53 +346,6 @@ def load_data(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 ID_CHECK = 2**26  # tokens of each split whose ids are checked before training
-
-
-def drop_cut_off_record(path: Path) -> str | None:
-    """Removes a last line of `metrics.jsonl` that is not JSON (a crash or a full disk cut it
-    off) and says so; a bad line before the last is an error."""
-    if not path.is_file():
-        return None
-    lines = path.read_bytes().splitlines(keepends=True)
-    bad = [i for i, line in enumerate(lines) if line.strip() and not _is_record(line)]
-    if not bad:
-        return None
-    if bad != [len(lines) - 1]:
-        raise UsageError(f"{str(path)!r} line {bad[0] + 1} is not a JSON record; fix or "
-                         f"delete that line, then resume again")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(lines[:-1]))
-    os.replace(tmp, path)  # never a half-written metrics file, even if this is killed
-    return (f"{path.name}: dropped a cut-off last record ({len(lines[-1])} bytes) that an "
-            f"interrupted write left")
-
-
-def _is_record(line: bytes) -> bool:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and "step" in record
-
-
-def supersede_steps(ckpt: Path, after: int) -> tuple[list[int], Path]:
-    """Moves the checkpoint steps past `after` to OUT/superseded/ (a resumed run writes its
-    own steps there); returns them and where they went."""
-    later = [s for s in checkpoint_steps(ckpt) if s > after]
-    dest = ckpt.parent / "superseded"
-    for step in later:
-        target, n = dest / str(step), 1
-        while target.exists():  # an earlier resume already put a step of this number there
-            target, n = dest / f"{step}.{n}", n + 1
-        dest.mkdir(exist_ok=True)
-        os.replace(ckpt / str(step), target)
-    return later, dest
-
-
-def saved_config(train_config: dict[str, Any]) -> TrainConfig:
-    """The TrainConfig a checkpoint's `train_config` record describes (unknown keys dropped)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in train_config.items() if k in known})
 
 
 def make_schedule(cfg: TrainConfig):

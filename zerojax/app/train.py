@@ -6,6 +6,7 @@ the XLA flags and `jax.distributed` must all be set first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -23,20 +24,24 @@ from zerojax.app.options import (
     TRAJECTORY,
     TrainConfig,
     UsageError,
+    check_resume_before_steps,
     check_run_dir,
     check_split,
-    drop_cut_off_record,
-    intact_hint,
     load_data,
     make_optimizer,
     make_schedule,
     parse_args,
     resume_optimizer,
-    saved_config,
-    supersede_steps,
     validate,
 )
 from zerojax.app.peers import HEARTBEAT_S, PeerWatch
+from zerojax.app.resume import (
+    drop_cut_off_record,
+    intact_hint,
+    missing_metrics_note,
+    saved_config,
+    supersede_steps,
+)
 from zerojax.errors import CheckpointError, ZeroError
 from zerojax.models import PRESETS
 
@@ -44,7 +49,12 @@ DEFAULT_CPU_DEVICES = 4
 _FORCE = "--xla_force_host_platform_device_count"
 
 
-class NonFiniteLoss(RuntimeError):
+class RunStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss, a save that failed); reported as one line and
+    exit code 1."""
+
+
+class NonFiniteLoss(RunStopped):
     """The training loss became NaN or infinite."""
 
 
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return train(cfg, data, watch)
     except (UsageError, DataError, ZeroError, FileNotFoundError) as e:
         return _fail(e, 2)
-    except NonFiniteLoss as e:
+    except RunStopped as e:
         return _fail(e, 1)
     except KeyboardInterrupt:
         print("zerojax train: interrupted again; exiting without a checkpoint", file=sys.stderr)
@@ -213,6 +223,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         except CheckpointError as e:
             raise CheckpointError(intact_hint(e, "--resume-step")) from None
         start = int(state.step)
+        check_resume_before_steps(cfg, start)
         old = read_metadata(ckpt, start)["extra"].get("train_config", {})
         changed = [f"{k} {old[k]!r} → {v!r}" for k, v in extra["train_config"].items()
                    if k in TRAJECTORY and k in old and old[k] != v]
@@ -231,7 +242,10 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                     notes.append(f"resuming from step {start}: later step(s) "
                                  f"{', '.join(map(str, later))} moved to {dest}/")
         if lead:
-            notes += filter(None, [drop_cut_off_record(out / "metrics.jsonl")])
+            notes += filter(None, [drop_cut_off_record(out / "metrics.jsonl"),
+                                   missing_metrics_note(out / "metrics.jsonl", start)])
+        if start == cfg.steps:
+            notes.append(f"already at step {start} of --steps {cfg.steps}: nothing to train")
     else:
         state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
     start = int(state.step)
@@ -281,11 +295,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             if profiling and step == start + 3:
                 jax.profiler.stop_trace()
                 profiling = False
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and not cfg.allow_nonfinite:
                 raise NonFiniteLoss(
                     f"loss is {loss} at step {step + 1} (lr {float(schedule(step)):.3g}); "
-                    f"stopped without saving. Lower --lr, set --clip-norm, or use "
-                    f"--param-dtype float32")
+                    f"stopped without saving; {last_good(ckpt)}. Lower --lr, set --clip-norm, "
+                    f"use --param-dtype float32, or pass --allow-nonfinite to go on")
             times.append(dt)
             rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm,
                    "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / dt,
@@ -297,20 +311,22 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             log.write(rec)
             show.update(rec)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                engine.save(state, ckpt, step + 1, wait=False, extra=extra)
+                with saving(ckpt):
+                    engine.save(state, ckpt, step + 1, wait=False, extra=extra)
                 saved.add(step + 1)
     finally:
         stop.close()
         show.close()
         if profiling:
             jax.profiler.stop_trace()
-    step = int(state.step)  # also right when resumed past --steps, or interrupted
-    if step not in saved and step > 0:
-        engine.save(state, ckpt, step, wait=True, extra=extra)
-    if saved:
-        from zerojax import checkpoint
+    step = int(state.step)  # also right when resumed at --steps, or interrupted
+    with saving(ckpt):
+        if step not in saved and step > 0:
+            engine.save(state, ckpt, step, wait=True, extra=extra)
+        if saved:
+            from zerojax import checkpoint
 
-        checkpoint.wait_until_finished(ckpt)
+            checkpoint.wait_until_finished(ckpt)
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted)
@@ -326,6 +342,35 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             print(f"zerojax train: interrupted at step {step}; {saved_msg}", file=sys.stderr)
         return 128 + (stop.signum or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     return 0
+
+
+def last_good(ckpt: Path) -> str:
+    """Where the run can go on from: the latest complete checkpoint step, if any (once the
+    saves still being written are done)."""
+    from zerojax import checkpoint
+    from zerojax.app.options import checkpoint_steps
+
+    try:
+        checkpoint.wait_until_finished(ckpt)
+    except CheckpointError:  # a failed save leaves the steps before it, which are listed
+        pass
+    steps = checkpoint_steps(ckpt)
+    if not steps:
+        return "no checkpoint was saved"
+    return f"last good checkpoint: step {steps[-1]} in {ckpt} (continue with --resume)"
+
+
+@contextlib.contextmanager
+def saving(ckpt: Path):
+    """A save that fails (a full disk, a state that is NaN) stops the run with one line naming
+    the step and the last good checkpoint."""
+    try:
+        yield
+    except CheckpointError as e:
+        if e.nonfinite is None:
+            raise RunStopped(f"{e.damage or e}; {last_good(ckpt)}") from None
+        raise RunStopped(f"step {e.step}: {e.nonfinite} holds NaN or inf (the run has "
+                         f"diverged), so it was not saved; {last_good(ckpt)}") from None
 
 
 def schedule_note(old: TrainConfig, cfg: TrainConfig, start: int) -> str | None:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.arrays import STATE, read_arrays, stored_arrays
+from zerojax.checkpoint.guard import check_keep, check_step, first_nonfinite, writing
 from zerojax.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
@@ -35,7 +36,8 @@ from zerojax.checkpoint.record import (
     unparts,
     why,
 )
-from zerojax.errors import CheckpointError
+from zerojax.errors import ArgumentError, CheckpointError
+from zerojax.mesh import check_state
 from zerojax.partition import LeafSpec
 
 META = "meta"
@@ -43,6 +45,7 @@ RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside 
 KEEP: int | None = None  # default number of most recent steps a save keeps; None keeps all
 
 _MANAGERS: dict[str, tuple[ocp.CheckpointManager, int | None]] = {}
+_PENDING: dict[str, int] = {}  # directory -> the step its last wait=False save is writing
 
 
 # ---------------------------------------------------------------- logical layout
@@ -89,28 +92,48 @@ def _manager(path: Path, keep: int | None = None, create: bool = False):
 
 
 def wait_until_finished(directory=None) -> None:
-    """Blocks until the asynchronous saves (to `directory`, or to any) are written."""
+    """Blocks until the asynchronous saves (to `directory`, or to any) are written; a save
+    that failed (e.g. a full disk) raises its CheckpointError here."""
     for key, (mngr, _) in list(_MANAGERS.items()):
         if directory is None or key == str(_dir(directory)):
+            _wait(key, mngr)
+
+
+def _wait(key: str, mngr) -> None:
+    try:
+        with writing(Path(key), _PENDING.pop(key, None)):
             mngr.wait_until_finished()
+    except CheckpointError:
+        _MANAGERS.pop(key, None)  # orbax's manager would raise its failed save again
+        raise
 
 
 atexit.register(wait_until_finished)
 
 
 def save(engine, state, directory, step: int | None = None, *, wait: bool = True,
-         keep: int | None = None, extra: dict | None = None) -> int:
+         keep: int | None = None, extra: dict | None = None,
+         allow_nonfinite: bool = False) -> int:
     """Saves `state` in the logical layout as step `step` (default: `state.step`); returns it.
 
-    `keep`: keep only the most recent `keep` steps (default `KEEP`). `wait=False` returns once
-    the arrays are copied (so `state` may be stepped and donated at once);
+    `keep`: a positive integer: after the save, keep only the `keep` most recent steps, the
+    new one always among them (default `KEEP`; None keeps every step). `wait=False` returns
+    once the arrays are copied (so `state` may be stepped and donated at once);
     `wait_until_finished` blocks on the write.
     `extra`: a JSON-serializable dict (e.g. seed, data config) returned by `read_metadata`.
+    A state whose params or optimizer moments hold NaN or inf is refused with a
+    CheckpointError naming the first such leaf, before anything is written (a diverged run
+    would otherwise rotate its good steps out); `allow_nonfinite=True` saves it anyway.
     """
     import zerojax
 
-    path, keep = _dir(directory), KEEP if keep is None else keep
-    step = int(jax.device_get(state.step)) if step is None else int(step)
+    check_state(engine, state)
+    path = _dir(directory)
+    keep = check_keep(KEEP if keep is None else keep)
+    step = int(jax.device_get(state.step)) if step is None else check_step(step)
+    for name, v in (("wait", wait), ("allow_nonfinite", allow_nonfinite)):
+        if not isinstance(v, bool):
+            raise ArgumentError(f"{name}={v!r} must be True or False")
     try:
         extra = json.loads(json.dumps({} if extra is None else dict(extra)))
     except (TypeError, ValueError) as e:
@@ -118,6 +141,14 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     layout, cfg = engine.layout, engine.config
     to_logical, dtypes = _saver(engine)
     tree, sums = to_logical(state)
+    if not allow_nonfinite:
+        bad = first_nonfinite(engine, tree)
+        if bad is not None:
+            raise CheckpointError(
+                f"refusing to save step {step} to {path}: {bad} holds NaN or inf (the run has "
+                f"diverged); the steps saved there are left as they are. Restore one of them, "
+                f"or pass allow_nonfinite=True to save this state anyway", nonfinite=bad,
+                step=step)
     sums = [int(x) for x in jax.device_get(sums)]
     n_params = len(layout.leaves)
     n_opt = n_params + len(jax.tree.leaves(tree["opt_state"]))
@@ -137,17 +168,25 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     cached = _MANAGERS.get(str(path))
     if cached is None or cached[1] != keep:
         if cached is not None:
-            cached[0].wait_until_finished()
+            _wait(str(path), cached[0])
         _MANAGERS[str(path)] = cached = (_manager(path, keep, create=True), keep)
     mngr = cached[0]
-    mngr.wait_until_finished()
+    _wait(str(path), mngr)
     if step in mngr.all_steps():
         raise CheckpointError(f"step {step} already exists in {path}; pass another step= or "
                               f"save to another directory")
-    mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(tree),
-                                               META: ocp.args.JsonSave(meta)}), force=True)
-    if wait:
-        mngr.wait_until_finished()
+    try:
+        with writing(path, step):
+            mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(tree),
+                                                       META: ocp.args.JsonSave(meta)}),
+                      force=True)
+            if wait:
+                mngr.wait_until_finished()
+    except CheckpointError:
+        _MANAGERS.pop(str(path), None)
+        raise
+    if not wait:
+        _PENDING[str(path)] = step
     return step
 
 
@@ -162,6 +201,7 @@ def _complete(directory) -> tuple[Path, ocp.CheckpointManager, list[int]]:
 
 
 def _pick(path: Path, steps: list[int], step: int | None) -> int:
+    step = None if step is None else check_step(step)
     if not steps:
         partial = sorted(p.name for p in path.iterdir() if "tmp" in p.name)
         raise CheckpointError(f"{path} holds no complete checkpoint step"
@@ -182,6 +222,11 @@ def _record(mngr, path: Path, step: int) -> dict:
         raise CheckpointError(f"cannot read checkpoint metadata {where} of step {step}: "
                               f"{why(e)}") from None
     check_record(meta, f"checkpoint metadata {where} of step {step}")
+    if meta["step"] != step:
+        raise CheckpointError(
+            f"step directory {path / str(step)} holds the record of step {meta['step']}: it was "
+            f"renamed (or swapped with another); move it back to {path / str(meta['step'])} "
+            f"or delete it")
     return meta
 
 
@@ -200,8 +245,20 @@ def read_metadata(directory, step: int | None = None) -> dict:
 
 
 def steps(directory) -> list[int]:
-    """The complete steps in `directory` (or in a run directory's `checkpoints/`), oldest first."""
-    return _complete(directory)[2]
+    """The complete steps in `directory` (or in a run directory's `checkpoints/`), oldest first;
+    a step directory whose record names another step (renamed or swapped) is left out."""
+    path, _, complete = _complete(directory)
+    return [s for s in complete if _recorded_step(path, s) in (s, None)]
+
+
+def _recorded_step(path: Path, step: int) -> int | None:
+    """The step the record in `path/step` names; None if it cannot be read (a damaged record,
+    which restore reports)."""
+    try:
+        recorded = json.loads((path / str(step) / META / "metadata").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, int) else None
 
 
 def _diff(kind: str, want: list[dict], got: list[dict]) -> list[str]:

@@ -3,9 +3,15 @@
 `ShardedUpdate` traces the step's update (unscale, clip, `optimizer.update`, apply, skip) once
 on the logical shapes and runs that trace over each device's flat shards (interpret.py): what
 is elementwise stays local and costs nothing new, a norm or any other reduction of a leaf is a
-local segment reduction plus one fused all-reduce per round, whole-matrix work (Muon's
-Newton–Schulz) runs on an owner device per matrix (owners.py), and anything else is assembled.
-Mask and label functions see logical leaves, as in plain optax.
+local segment reduction plus one fused all-reduce per round (program.py), and whole-matrix
+work (Muon's Newton–Schulz, any matmul, transpose or sort of a leaf) runs on an owner device
+per matrix (owners.py). Mask and label functions see logical leaves, as in plain optax. With
+offload, each round's local work runs on the host (offload.py).
+
+Modules: reps.py (how a value lives on the devices; the flat layout's index arithmetic),
+interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan, while),
+program.py (ops, rounds, fused collectives), owners.py and evaluate.py (owner regions),
+offload.py, presets.py (the command line's named optimizers and state sizes).
 
 Optimizer state: a leaf that the update computes elementwise from the params or gradients is
 stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,
@@ -22,28 +28,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
 from zerojax.mesh import DATA
 from zerojax.partition import Layout
-from zerojax.update.interpret import (
-    COMMS,
-    WHOLE,
-    Bcast,
-    Flat,
-    Partial,
-    Phys,
-    Program,
-    run_comms,
-    run_local,
-    shard_jaxpr,
-)
+from zerojax.update.interpret import shard_jaxpr
+from zerojax.update.offload import DEVICE, HOST, run_offloaded, to_memory
 from zerojax.update.owners import Owners
+from zerojax.update.program import Program
+from zerojax.update.reps import WHOLE, Flat, Phys
 
 LARGE = 1 << 16  # elements: a replicated optimizer-state leaf this large is stored flat instead
-HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
 def as_transformation(optimizer) -> optax.GradientTransformation:
@@ -197,6 +193,12 @@ class ShardedUpdate:
                 return rep
         return WHOLE
 
+    def param_like(self, logical_state):
+        """`logical_state` with only the leaves that sit where a param sits (moments, copies
+        of the params); the others (counts, scalars, a best-so-far value) are None."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: None if self._param_like(path, x) is WHOLE else x, logical_state)
+
     def program(self, finite: bool, gdtypes=None) -> tuple[Program, Any, Any]:
         """The planned update for these gradient dtypes (default float32)."""
         gdtypes = tuple(jnp.dtype(d) for d in (gdtypes or [jnp.float32] * len(self.param_reps)))
@@ -294,73 +296,5 @@ def _pad(x, rep: Flat):
     return jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
 
 
-# ---------------------------------------------------------------------------------------------
-# Offload: the local work of each round on the host, only the collectives on the device.
-
-
-def to_memory(tree, space):
-    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
-
-
-def run_offloaded(prog: Program, args, spaces):
-    """`prog` with its local work in host memory and compute (`compute_on("device_host")`):
-    one host computation per round (split at control flow with collectives inside, which runs
-    on the device), the fused collectives of each round on the device; the outputs end in the
-    memory `spaces` say."""
-    env = dict(zip(prog.inputs, args, strict=True))
-    # What depends on no input (a dummy leaf, a flag) is computed in the step itself, on the
-    # device: XLA folds such a value into a constant, whatever memory it was asked to be in.
-    fixed = set(prog.consts)
-    for locals_, _ in prog.rounds:
-        for op in locals_:
-            if op.kind == "local" and all(k in fixed for k in op.ins):
-                run_local(op, env, prog.consts)
-                fixed.update(op.outs)
-    steps = []  # ("host", [ops]) | ("device", [ops]) | ("comm", [ops])
-    for locals_, comms in prog.rounds:
-        for op in locals_:
-            if all(k in env for k in op.outs):
-                continue
-            kind = "device" if op.kind == "sync" else "host"
-            if steps and steps[-1][0] == kind == "host":
-                steps[-1][1].append(op)
-            else:
-                steps.append((kind, [op]))
-        if comms:
-            steps.append(("comm", comms))
-    last_use: dict[int, int] = {}
-    for i, (_, ops) in enumerate(steps):
-        for op in ops:
-            for k in op.ins:
-                last_use[k] = i
-    for k in prog.outputs:
-        last_use[k] = len(steps)
-    for i, (kind, ops) in enumerate(steps):
-        made = {k for op in ops for k in op.outs}
-        ins = sorted({k for op in ops for k in op.ins if k not in made and k in env})
-        outs = sorted(k for k in made if last_use.get(k, -1) > i)
-        if kind == "comm":
-            sub = {k: to_memory(env[k], DEVICE) for k in ins}
-            run_comms(ops, sub, prog.axis, prog.shards)
-            env.update({k: to_memory(sub[k], HOST) for k in outs})
-            continue
-
-        def seg(*vals, ops=ops, ins=ins, outs=outs, host=kind == "host"):
-            # Inside the host computation the values are typed as device memory, so that they
-            # mix with the constants the update creates (a select needs one memory space).
-            local = dict(zip(ins, to_memory(vals, DEVICE) if host else vals))
-            for op in ops:
-                run_local(op, local, prog.consts)
-            res = [local[k] for k in outs]
-            return to_memory(res, HOST) if host else res
-
-        space = HOST if kind == "host" else DEVICE
-        vals = [to_memory(env[k], space) for k in ins]
-        res = compute_on("device_host")(jax.jit(seg))(*vals) if kind == "host" else seg(*vals)
-        env.update(zip(outs, [to_memory(r, HOST) for r in res] if kind == "device" else res))
-    return [to_memory(env[k] if k in env else jnp.asarray(prog.consts[k]), space)
-            for k, space in zip(prog.outputs, spaces, strict=True)]
-
-
-__all__ = ["ShardedUpdate", "StepUpdate", "as_transformation", "takes_value", "step_update",
-           "COMMS", "Bcast", "Partial"]
+__all__ = ["DEVICE", "HOST", "ShardedUpdate", "StepUpdate", "as_transformation", "step_update",
+           "takes_value", "to_memory"]

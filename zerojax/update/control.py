@@ -15,17 +15,9 @@ import functools
 from jax import lax
 
 from zerojax.collectives import vary
-from zerojax.update.interpret import (
-    WHOLE,
-    Bcast,
-    Flat,
-    Partial,
-    Phys,
-    Planner,
-    Program,
-    join,
-    shard_jaxpr,
-)
+from zerojax.update.interpret import Planner, shard_jaxpr
+from zerojax.update.program import Program
+from zerojax.update.reps import WHOLE, Bcast, Flat, Partial, Phys, join
 
 _MAX_FIXED_POINT = 8
 

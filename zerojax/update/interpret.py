@@ -1,26 +1,16 @@
-"""A jaxpr over logical arrays, run over flat shards: the machinery behind `update.py`.
+"""A jaxpr over logical arrays, planned over flat shards: the rule of each kind of primitive.
 
-A function of logical params (an optax update) is traced once to a jaxpr; `shard_jaxpr` turns
-it into a `Program` that computes the same values inside the step's shard_map, where every
-param-like value is this device's part of a flattened, zero-padded leaf (partition.py).
-Each value of the program has a representation ("rep"):
-
-  Flat(phys, shape)  this device's k elements (or [L, k]) of the padded flat value
-  Whole()            the full logical value, the same on every device
-  Bcast(shape, dims) the full value is broadcast_in_dim(stored operand, shape, dims)
-  Partial()          this device's term of a sum over the data axis
-
-and each primitive a rule: elementwise work on Flat values stays local; a reduction is a
-segment reduction of the local elements by their output index (padding excluded) and one
-collective (a sum stays Partial through additions and scalings, so a global norm costs one
-scalar all-reduce); a broadcast back onto a Flat value is a local index lookup; a reshape of a
-Flat value is free (the row-major flat order does not change); everything else (matmuls,
-transposes, slices, sorts) assembles its Flat operands (all_gather) and runs whole on every
-device. `owners.py` moves whole-matrix work of that kind onto one owner device per matrix.
-
-Collectives are scheduled in rounds: all local work that can run before a collective runs,
-then every collective of the round is fused into one per kind and dtype, and so on; so a
-chain of per-leaf norms costs one all-reduce, not one per leaf.
+A function of logical params (the step's update) is traced once to a jaxpr; `shard_jaxpr`
+turns it into a `Program` (program.py) that computes the same values inside the step's
+shard_map, where every param-like value is this device's part of a flattened, zero-padded
+leaf. Each value has a rep (reps.py), each primitive a rule: elementwise work on Flat values
+stays local; a reduction is a segment reduction of the local elements by their output index
+(padding excluded) and one collective (a sum stays Partial through additions and scalings, so
+a global norm costs one scalar all-reduce); a broadcast back onto a Flat value is a local
+index lookup; a reshape of a Flat value is free (the row-major flat order does not change);
+cond, scan and while plan their bodies (control.py); everything else (matmuls, transposes,
+slices, sorts) goes to the owner hooks (owners.py), or, where there are none (stage 0, inside
+a loop body), assembles its Flat operands (all_gather) and runs whole on every device.
 """
 
 from __future__ import annotations
@@ -37,278 +27,24 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from zerojax.collectives import vary
-
-# ---------------------------------------------------------------------------------------------
-# Layouts and representations
-
-
-@dataclass(frozen=True)
-class Phys:
-    """How a flat-sharded value is stored: `[N·k]`, or `[L, N·k]` for a stacked one."""
-
-    lead: int | None  # L of a stacked value; None: one unit
-    unit: int  # U: logical elements per unit
-    shards: int  # N: devices on the data axis (1: every device holds all of it)
-
-    @property
-    def k(self) -> int:
-        return -(-self.unit // self.shards)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.k,) if self.lead is None else (self.lead, self.k)
-
-    @property
-    def global_shape(self) -> tuple[int, ...]:
-        n = self.k * self.shards
-        return (n,) if self.lead is None else (self.lead, n)
-
-    @property
-    def size(self) -> int:
-        return (self.lead or 1) * self.unit
-
-    @property
-    def padded(self) -> bool:
-        return self.k * self.shards != self.unit
-
-    def unit_phys(self) -> Phys:
-        return Phys(None, self.unit, self.shards)
-
-
-@dataclass(frozen=True)
-class Flat:
-    phys: Phys
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Whole:
-    pass
-
-
-@dataclass(frozen=True)
-class Bcast:
-    shape: tuple[int, ...]
-    dims: tuple[int, ...]
-    operand: tuple[int, ...]  # the stored operand's shape
-
-
-@dataclass(frozen=True)
-class Partial:
-    pass
-
-
-@dataclass(frozen=True)
-class Owned:
-    """The full value, computed only on its owner device, by an owner region (owners.py)."""
-
-    region: int
-
-
-WHOLE, PARTIAL = Whole(), Partial()
-Rep = Flat | Whole | Bcast | Partial | Owned
-
-
-def join(a: Rep, b: Rep) -> Rep:
-    """The rep both of two control-flow paths can give (a loop carry, a cond output)."""
-    if a == b:
-        return a
-    if isinstance(a, Flat) and isinstance(b, Flat):
-        return WHOLE  # two layouts of one value: rare; assemble both
-    if isinstance(a, Flat):
-        return a
-    if isinstance(b, Flat):
-        return b
-    return WHOLE
-
-
-# ---------------------------------------------------------------------------------------------
-# Ops and programs
-
-COMMS = ("psum", "pmax", "pmin", "gather", "all_to_all")
-
-
-@dataclass
-class Op:
-    """`kind` "local" (fn of the inputs, on this device), "sync" (a control-flow op with
-    collectives inside) or a collective from COMMS (one input, one output)."""
-
-    kind: str
-    fn: Callable | None
-    ins: tuple[int, ...]
-    outs: tuple[int, ...]
-    meta: Any = None  # collectives: their static description (see _run_comms)
-
-
-@dataclass
-class Program:
-    """Inputs -> outputs as rounds of local ops and fused collectives."""
-
-    inputs: list[int]
-    outputs: list[int]
-    consts: dict[int, Any]
-    rounds: list[tuple[list[Op], list[Op]]]  # (local and sync ops, collectives)
-    axis: str
-    shards: int
-    whole_ops: list[str] = field(default_factory=list)  # primitives that assembled Flat values
-
-    def __call__(self, *args):
-        env = dict(zip(self.inputs, args, strict=True))
-        for locals_, comms in self.rounds:
-            for op in locals_:
-                run_local(op, env, self.consts)
-            run_comms(comms, env, self.axis, self.shards)
-        return [read(env, self.consts, k) for k in self.outputs]
-
-    @property
-    def collectives(self) -> list[Op]:
-        return [op for _, comms in self.rounds for op in comms]
-
-    @property
-    def syncs(self) -> list[Op]:
-        return [op for ops, _ in self.rounds for op in ops if op.kind == "sync"]
-
-
-def read(env, consts, k):
-    return env[k] if k in env else jnp.asarray(consts[k])
-
-
-def run_local(op: Op, env, consts) -> None:
-    outs = op.fn(*[read(env, consts, k) for k in op.ins])
-    env.update(zip(op.outs, outs, strict=True))
-
-
-def run_comms(comms: list[Op], env, axis: str, shards: int) -> None:
-    """Every collective of a round: one per kind and dtype, the operands concatenated."""
-    groups: dict[tuple, list[Op]] = {}
-    for op in comms:
-        groups.setdefault((op.kind, jnp.dtype(env[op.ins[0]].dtype)), []).append(op)
-    for (kind, _), ops in groups.items():
-        xs = [env[op.ins[0]] for op in ops]
-        if kind == "all_to_all":
-            outs = _fused_all_to_all(xs, axis, shards)
-        elif kind == "gather":
-            outs = _fused_gather(xs, axis, shards)
-        else:
-            reduce = {"psum": lax.psum, "pmax": lax.pmax, "pmin": lax.pmin}[kind]
-            if len(xs) == 1:
-                outs = [reduce(xs[0], axis)]
-            else:
-                flat = reduce(jnp.concatenate([x.reshape(-1) for x in vary_all(xs)]), axis)
-                outs = _split_like(flat, xs)
-        for op, y in zip(ops, outs, strict=True):
-            env[op.outs[0]] = y
-
-
-def _split_like(flat, xs):
-    sizes = [x.size for x in xs]
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if len(xs) > 1 else [flat]
-    return [p.reshape(x.shape) for p, x in zip(parts, xs)]
-
-
-def _fused_gather(xs, axis, shards):
-    """Each `[..., k_i]` local part -> the `[..., N·k_i]` whole, in one all_gather."""
-    flat = jnp.concatenate([x.reshape(-1) for x in vary_all(xs)]) if len(xs) > 1 \
-        else xs[0].reshape(-1)
-    g = lax.all_gather(flat, axis, axis=0, tiled=False, to="invarying")  # [N, sum m_i]
-    parts = jnp.split(g, np.cumsum([x.size for x in xs])[:-1], axis=1) if len(xs) > 1 else [g]
-    out = []
-    for p, x in zip(parts, xs):
-        p = p.reshape(shards, *x.shape)  # [N, ..., k]
-        p = jnp.moveaxis(p, 0, -2)  # [..., N, k]
-        out.append(p.reshape(*x.shape[:-1], shards * x.shape[-1]))
-    return out
-
-
-def _fused_all_to_all(xs, axis, shards):
-    """Each `[N, m_i]` (row s goes to device s) -> `[N, m_i]` (row s came from device s)."""
-    if len(xs) == 1:
-        return [lax.all_to_all(xs[0], axis, 0, 0, tiled=True)]
-    flat = jnp.concatenate([x.reshape(shards, -1) for x in vary_all(xs)], axis=1)
-    y = lax.all_to_all(flat, axis, 0, 0, tiled=True)
-    parts = jnp.split(y, np.cumsum([x.shape[1] for x in xs])[:-1], axis=1)
-    return [p.reshape(x.shape) for p, x in zip(parts, xs)]
-
-
-def vary_all(xs):
-    """`xs` typed varying over the union of their varying axes (operands of one primitive)."""
-    axes = set()
-    for x in xs:
-        axes |= set(jax.typeof(x).mat.varying)
-    return [vary(x, tuple(sorted(axes))) for x in xs]
-
-
-def bind(prim, params, *xs):
-    out = prim.bind(*vary_all(xs) if len(xs) > 1 else xs, **prim.get_bind_params(params))
-    return tuple(out) if prim.multiple_results else (out,)
-
-
-# ---------------------------------------------------------------------------------------------
-# Local index arithmetic of a Flat value
-
-
-def flat_index(phys: Phys, d):
-    """(the logical flat index of each local element, whether it is not padding), on the
-    device at position `d` of the data axis. Every value of one layout shares them."""
-    g = d * phys.k + lax.iota(jnp.int32, phys.k)  # [k]
-    valid = g < phys.unit
-    if phys.lead is not None:
-        layer = lax.broadcasted_iota(jnp.int32, phys.local_shape, 0)
-        g = layer * phys.unit + lax.broadcast_in_dim(g, phys.local_shape, (1,))  # [L, k]
-        valid = lax.broadcast_in_dim(valid, phys.local_shape, (1,))
-    return g, valid
-
-
-def unravel(flat, shape):
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    return [lax.rem(lax.div(flat, jnp.int32(s)), jnp.int32(n)) if n > 1 else None
-            for s, n in zip(strides, shape)]
-
-
-def ravel(idx, shape):
-    out = None
-    for i, n in zip(idx, shape):
-        out = (i if out is None else out * n + i) if i is not None else \
-            (None if out is None else out * n)
-    return out
-
-
-def select(valid, x, fill):
-    """`x` where `valid`, else the scalar `fill`."""
-    return lax.select(valid, x, lax.full_like(x, fill))
-
-
-def to_flat(x, rep: Flat, d):
-    """A whole logical value -> the part of it on the device at position `d`."""
-    phys = rep.phys
-    lead = () if phys.lead is None else (phys.lead,)
-    if math.prod(jnp.shape(x)) == 1:  # one value: every element of the part is it
-        return lax.broadcast_in_dim(jnp.reshape(x, ()), phys.local_shape, ())
-    x = jnp.reshape(x, (*lead, phys.unit))
-    pad = phys.k * phys.shards - phys.unit
-    if pad:
-        x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * len(lead) + [(0, pad, 0)])
-    if phys.shards == 1:
-        return x
-    return lax.dynamic_slice_in_dim(x, d * phys.k, phys.k, axis=len(lead))
-
-
-def bcast_to_flat(operand, b: Bcast, rep: Flat, flat, valid):
-    """broadcast_in_dim(operand, shape, dims) -> this device's part, by index lookup."""
-    if operand.size == 1:
-        return lax.broadcast_in_dim(jnp.reshape(operand, ()), rep.phys.local_shape, ())
-    multi = unravel(select(valid, flat, 0) if rep.phys.padded else flat, b.shape)
-    # An operand axis of size 1 is broadcast along its output axis.
-    idx = ravel([multi[d] if n > 1 else None for d, n in zip(b.dims, operand.shape)],
-                operand.shape)
-    return jnp.reshape(operand, (-1,))[idx]
-
-
-def from_flat(x, rep: Flat):
-    """The gathered `[..., N·k]` -> the logical value."""
-    return jnp.reshape(x[..., : rep.phys.unit], rep.shape)
-
+from zerojax.update.program import Op, Program, bind, schedule
+from zerojax.update.reps import (
+    PARTIAL,
+    WHOLE,
+    Bcast,
+    Flat,
+    Owned,
+    Partial,
+    Phys,
+    Rep,
+    Whole,
+    bcast_to_flat,
+    flat_index,
+    from_flat,
+    segment_reduce,
+    select,
+    to_flat,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Primitive kinds
@@ -489,7 +225,10 @@ class Planner:
     def eqn(self, eqn, ins: list[int]) -> list[int]:
         name = eqn.primitive.name
         reps = [self.rep[k] for k in ins]
-        if all(isinstance(r, Whole) for r in reps) and name not in CALLS:
+        # Whole operands give a whole result, except a broadcast: it stays lazy (Bcast), so a
+        # `zeros_like(param)` never exists whole on a device.
+        if all(isinstance(r, Whole) for r in reps) and name not in CALLS and \
+                name != "broadcast_in_dim":
             return self.generic(eqn, ins)
         if name in CALLS:
             return self.call(eqn, ins)
@@ -672,90 +411,7 @@ class Planner:
 
     # -- the program
     def finish(self, inputs: list[int], outputs: list[int]) -> Program:
-        ops = _live(_topological(self.ops), outputs)
-        rnd: dict[int, int] = {}
-        staged: dict[int, tuple[list, list]] = {}
-        for op in ops:
-            r = max((rnd.get(k, 0) for k in op.ins), default=0)
-            for k in op.outs:
-                rnd[k] = r + 1 if op.kind in COMMS else r
-            staged.setdefault(r, ([], []))[op.kind in COMMS].append(op)
-        rounds = [staged.get(r, ([], [])) for r in range(max(staged, default=-1) + 1)]
-        return Program(list(inputs), list(outputs), dict(self.consts), rounds, self.axis,
-                       self.shards)
-
-
-def _topological(ops: list[Op]) -> list[Op]:
-    """`ops` in an order where each comes after the ops making its inputs (owner regions are
-    emitted after the ops that read them); otherwise in emission order."""
-    made = {k: i for i, op in enumerate(ops) for k in op.outs}
-    if all(made.get(k, -1) < i for i, op in enumerate(ops) for k in op.ins):
-        return ops
-    order, done, state = [], set(), {}
-
-    def visit(i):
-        stack = [(i, iter(ops[i].ins))]
-        state[i] = 1
-        while stack:
-            j, it = stack[-1]
-            nxt = next((made[k] for k in it if k in made and made[k] not in done), None)
-            if nxt is None:
-                stack.pop()
-                done.add(j)
-                order.append(ops[j])
-            elif state.get(nxt) == 1:
-                raise RuntimeError("cycle in the sharded optimizer program")
-            else:
-                state[nxt] = 1
-                stack.append((nxt, iter(ops[nxt].ins)))
-
-    for i in range(len(ops)):
-        if i not in done:
-            visit(i)
-    return order
-
-
-def _live(ops: list[Op], outputs: list[int]) -> list[Op]:
-    """`ops` without those whose outputs nothing reads."""
-    need, keep = set(outputs), []
-    for op in reversed(ops):
-        if any(k in need for k in op.outs):
-            keep.append(op)
-            need.update(op.ins)
-    return keep[::-1]
-
-
-def segment_reduce(x, flat, valid, rep: Flat, axes, name):
-    """Reduction `name` over `axes` of this device's elements (padding excluded)."""
-    if name in ("reduce_and", "reduce_or"):
-        x = x.astype(jnp.int32)
-    floating = jnp.issubdtype(x.dtype, jnp.floating)
-    fill = {"reduce_sum": 0, "reduce_and": 1, "reduce_or": 0,
-            "reduce_max": -jnp.inf if floating else jnp.iinfo(x.dtype).min,
-            "reduce_min": jnp.inf if floating else jnp.iinfo(x.dtype).max}[name]
-    x = select(valid, x, fill) if rep.phys.padded else x
-    shape = rep.shape
-    keep = [a for a in range(len(shape)) if a not in axes]
-    combine = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min,
-               "reduce_and": jnp.min, "reduce_or": jnp.max}[name]
-    if not keep:
-        out = combine(x)
-    else:
-        out_shape = tuple(shape[a] for a in keep)
-        nseg = math.prod(out_shape)
-        multi = unravel(select(valid, flat, 0) if rep.phys.padded else flat, shape)
-        seg = ravel([multi[a] for a in keep], out_shape)
-        seg = jnp.zeros_like(flat) if seg is None else seg
-        if rep.phys.padded:
-            seg = select(valid, seg, nseg)
-        segment = {"reduce_sum": jax.ops.segment_sum, "reduce_max": jax.ops.segment_max,
-                   "reduce_min": jax.ops.segment_min, "reduce_and": jax.ops.segment_min,
-                   "reduce_or": jax.ops.segment_max}[name]
-        out = segment(x.reshape(-1), seg.reshape(-1), num_segments=nseg + 1)[:nseg]
-        out = out.reshape(out_shape)
-    if name in ("reduce_and", "reduce_or"):
-        out = out.astype(jnp.bool_)
-    return out
+        return schedule(self.ops, inputs, outputs, self.consts, self.axis, self.shards)
 
 
 RULES: dict[str, Callable] = {

@@ -1,0 +1,184 @@
+"""The save contract: no call deletes what it was not asked to delete. `keep` is a positive
+count that always keeps the new step, a diverged (non-finite) state is refused, a step
+directory's record must name its step, and a full disk is one error with the saved steps
+intact."""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.checkpoint import store as ck
+from zerojax.models import SeedMLP
+
+BATCH = {"x": np.array([[1.0, 3.0], [2.0, 1.0]], np.float32), "y": np.array([5.0, 7.0],
+                                                                             np.float32)}
+NAN_BATCH = {**BATCH, "x": np.full((2, 2), np.nan, np.float32)}
+
+
+def make_engine(param_dtype="float32", stage=1):
+    # 2**8: the first loss scale under which these gradients fit float16
+    return zj.Engine(SeedMLP(), optax.adam(0.1), zj.make_mesh(data=2),
+                     zj.ZeroConfig(stage=stage, param_dtype=param_dtype, loss_scale_init=2.0**8))
+
+
+@pytest.fixture(scope="module")
+def seed():
+    """A stage-1 engine of the walkthrough's MLP and its state after one step."""
+    e = make_engine()
+    state, _ = e.step(e.init(jax.random.key(0), BATCH), BATCH)
+    return e, state
+
+
+def test_keep_is_a_positive_count_that_keeps_the_new_step(seed, tmp_path, monkeypatch):
+    e, state = seed
+    for step in (5, 8):
+        e.save(state, tmp_path, step=step)
+    for keep in (0, -1, 1.5, True, "2"):
+        with pytest.raises(zj.ConfigError, match=rf"keep={keep!r} must be a positive integer "
+                                                 r"\(how many of the most recent steps to keep, "
+                                                 r"the new one included\) or None"):
+            e.save(state, tmp_path, step=9, keep=keep)
+    assert ck.steps(tmp_path) == [5, 8]  # keep=0 used to delete both, and the new step 9
+    monkeypatch.setattr(ck, "KEEP", 0)  # the module default is checked as well
+    with pytest.raises(zj.ConfigError, match="keep=0"):
+        e.save(state, tmp_path, step=9)
+    monkeypatch.undo()
+    # A step below the others (a rewound run) is the newest save: it stays, 5 goes.
+    e.save(state, tmp_path, step=3, keep=2)
+    assert ck.steps(tmp_path) == [3, 8]
+    e.save(state, tmp_path, step=4, keep=1, wait=False)
+    ck.wait_until_finished(tmp_path)
+    assert ck.steps(tmp_path) == [4]
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16", "float16"])
+def test_a_nan_batch_is_flagged_in_every_precision(param_dtype):
+    e = make_engine(param_dtype)
+    state = e.init(jax.random.key(0), BATCH)
+    state, m = e.step(state, BATCH)
+    assert int(m["nonfinite"]) == 0 and np.isfinite(float(m["loss"]))
+    state, m = e.step(state, NAN_BATCH)
+    assert int(m["nonfinite"]) == 1 and np.isnan(float(m["loss"]))
+    finite = all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(e.params(state)))
+    # float16's dynamic loss scaling skips the step; the others take it and diverge.
+    assert finite == (param_dtype == "float16")
+    if param_dtype == "float16":
+        assert int(m["skipped"]) == 1
+
+
+def test_a_diverged_state_is_refused_and_the_good_steps_stay(seed, tmp_path):
+    e, good = seed
+    e.save(good, tmp_path, step=1, keep=1)
+    state = e.init(jax.random.key(0), BATCH)
+    state, _ = e.step(state, NAN_BATCH)
+    with pytest.raises(zj.CheckpointError, match=(
+            rf"^refusing to save step 2 to {tmp_path}: params\['layer1'\]\['w'\] holds NaN or "
+            r"inf \(the run has diverged\); .*allow_nonfinite=True")) as err:
+        e.save(state, tmp_path, step=2, keep=1)  # would have rotated step 1 out
+    assert (err.value.nonfinite, err.value.step) == ("params['layer1']['w']", 2)
+    assert ck.steps(tmp_path) == [1]
+    restored = e.restore(tmp_path)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(e.params(restored)))
+    # Finite params with a non-finite optimizer moment: named too.
+    moments = jax.tree.map(lambda x: x * jnp.nan if x.ndim else x, restored.opt_state)
+    with pytest.raises(zj.CheckpointError, match=r"opt_state\S*mu\S*\['layer1'\]\['w'\] holds "
+                                                 r"NaN or inf"):
+        e.save(restored._replace(opt_state=moments), tmp_path, step=3)
+    # Asked for explicitly, it is saved.
+    e.save(state, tmp_path, step=2, keep=1, allow_nonfinite=True)
+    assert ck.steps(tmp_path) == [2]
+    with pytest.raises(zj.ArgumentError, match=r"allow_nonfinite='yes' must be True or False"):
+        e.save(state, tmp_path, step=4, allow_nonfinite="yes")
+
+
+def test_a_record_knows_its_step(seed, tmp_path):
+    e, state = seed
+    for step in (1, 2, 3):
+        e.save(state, tmp_path, step=step)
+    os.rename(tmp_path / "3", tmp_path / "4")  # mv ckpt/3 ckpt/4
+    want = rf"step directory {tmp_path / '4'} holds the record of step 3: it was renamed"
+    with pytest.raises(zj.CheckpointError, match=rf"{want}.*; intact older steps, newest "
+                                                 r"first: \[2, 1\]; restore one with step=2$"):
+        e.restore(tmp_path)
+    with pytest.raises(zj.CheckpointError, match=want):
+        e.restore(tmp_path, step=4)
+    with pytest.raises(zj.CheckpointError, match=want):
+        ck.read_metadata(tmp_path, 4)
+    assert ck.steps(tmp_path) == [1, 2]
+    # Two swapped: neither restores as the other.
+    os.rename(tmp_path / "1", tmp_path / "x")
+    os.rename(tmp_path / "2", tmp_path / "1")
+    os.rename(tmp_path / "x", tmp_path / "2")
+    assert ck.steps(tmp_path) == []
+    with pytest.raises(zj.CheckpointError, match=r"directory \S+/1 holds the record of step 2"):
+        e.restore(tmp_path, step=1)
+
+
+def test_a_step_is_an_integer(seed, tmp_path):
+    e, state = seed
+    e.save(state, tmp_path, step=0)
+    for call in (lambda: e.restore(tmp_path, step="0"),
+                 lambda: ck.read_metadata(tmp_path, "0")):
+        with pytest.raises(zj.ArgumentError, match=r"step='0' \(str\) is not a step number; "
+                                                   r"pass an integer; e.g. step=0"):
+            call()
+    with pytest.raises(zj.ArgumentError, match=r"step=1\.0 \(float\)"):
+        e.save(state, tmp_path, step=1.0)
+    assert int(e.restore(tmp_path, step=np.int64(0)).step) == 1
+
+
+def full_disk_after(n):
+    """A patch of orbax's JSON writer: the first `n` writes go through, then every write goes
+    to /dev/full (the kernel's ENOSPC, from inside orbax's background save)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    real, calls = jh.JsonCheckpointHandler._save_fn, []
+
+    async def save_fn(self, x, directory):
+        calls.append(directory)
+        if len(calls) <= n:
+            return await real(self, x, directory)
+        with open("/dev/full", "w") as f:
+            f.write(json.dumps(x))
+
+    return jh.JsonCheckpointHandler, "_save_fn", save_fn
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_full_disk_is_one_error_and_the_saved_steps_stay(seed, tmp_path, wait, monkeypatch,
+                                                           caplog):
+    e, state = seed
+    monkeypatch.setattr(*full_disk_after(1))
+    e.save(state, tmp_path, step=1)
+    with pytest.raises(zj.CheckpointError, match=(
+            rf"^cannot write step 2 to {tmp_path}: no space left on its device \([\d,.]+ "
+            r"(MB|bytes) free\); the steps saved there before are intact")):
+        e.save(state, tmp_path, step=2, wait=wait)
+        ck.wait_until_finished(tmp_path)  # a background save fails here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no half-written step 2
+    assert not [r for r in caplog.records if "No space" in r.getMessage()]  # no tracebacks
+    monkeypatch.undo()  # space freed: the same directory takes the next save
+    e.save(state, tmp_path, step=2)
+    assert ck.steps(tmp_path) == [1, 2]
+    shutil.rmtree(tmp_path)
+
+
+def test_logging_filter_keeps_other_records():
+    from zerojax.checkpoint.guard import _QuietNoSpace
+
+    keep = logging.LogRecord("absl", logging.ERROR, "/x/orbax/y.py", 1, "other failure", (), None)
+    drop = logging.LogRecord("absl", logging.ERROR, "/x/orbax/y.py", 1, "No space left on device",
+                             (), None)
+    mine = logging.LogRecord("absl", logging.ERROR, "/x/app.py", 1, "No space left on device", (),
+                             None)
+    assert [_QuietNoSpace().filter(r) for r in (keep, drop, mine)] == [True, False, True]

@@ -1,0 +1,168 @@
+"""What a save refuses or reports instead of losing a step: a `keep` that would delete every
+step, a step that is not an integer, a diverged (non-finite) state, and a write that fails (a
+full disk) as one error naming the directory and its free space."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import shutil
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zerojax.errors import ArgumentError, CheckpointError, ConfigError
+
+# engine -> (its plan, the jitted finiteness flags of the checked leaves, their names)
+_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_keep(keep) -> int | None:
+    """`keep` as a positive int or None; 0 would delete every step, the new one included."""
+    if keep is None:
+        return None
+    if isinstance(keep, (bool, np.bool_)) or not isinstance(keep, (int, np.integer)) \
+            or keep < 1:
+        raise ConfigError(f"keep={keep!r} must be a positive integer (how many of the most "
+                          f"recent steps to keep, the new one included) or None to keep every "
+                          f"step")
+    return int(keep)
+
+
+def check_step(step) -> int:
+    """A step number given by the caller: a non-negative integer (not a string or float)."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+        hint = f"; e.g. step={int(step)}" if isinstance(step, str) and step.isdigit() else ""
+        raise ArgumentError(f"step={step!r} ({type(step).__name__}) is not a step number; "
+                            f"pass an integer{hint}")
+    if step < 0:
+        raise ArgumentError(f"step={step} is negative; steps count from 0")
+    return int(step)
+
+
+def _checked(engine, tree) -> list[tuple[str, jax.Array]]:
+    """(name, leaf) of the float params and the optimizer state's param-like leaves (moments)
+    of the logical `tree`. Other optimizer leaves may be inf by design (a best-so-far value)."""
+    opt = engine.plan.update.param_like(tree["opt_state"])
+    out = []
+    for part, sub in (("params", tree["params"]), ("opt_state", opt)):
+        for path, x in jax.tree.flatten_with_path(sub)[0]:
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                out.append((part + jax.tree_util.keystr(path), x))
+    return out
+
+
+def first_nonfinite(engine, tree) -> str | None:
+    """The name of the first leaf of the logical `tree` (params, then optimizer moments) that
+    holds a NaN or inf, or None; one small reduction per leaf on the devices."""
+    cached = _CHECKS.get(engine)
+    if cached is None or cached[0] is not engine.plan:
+        flags = jax.jit(lambda t: jnp.stack([jnp.all(jnp.isfinite(x))
+                                             for _, x in _checked(engine, t)]))
+        names = [name for name, _ in _checked(engine, jax.eval_shape(lambda t: t, tree))]
+        _CHECKS[engine] = cached = (engine.plan, flags, names)
+    _, flags, names = cached
+    if not names:
+        return None
+    ok = np.asarray(jax.device_get(flags(tree)))
+    return None if ok.all() else names[int(np.argmin(ok))]
+
+
+def _no_space(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        _no_space_text(str(e))
+
+
+def _no_space_text(text: str) -> bool:
+    return "No space left on device" in text or "RESOURCE_EXHAUSTED" in text
+
+
+class _QuietNoSpace(logging.Filter):
+    """Drops orbax's log records of a write that failed for lack of space: each of its
+    threads logs the error with a traceback, and `writing` reports it once, as one error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname.replace("\\", "/"):
+            return True
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not _no_space_text(text)
+
+
+logging.getLogger("absl").addFilter(_QuietNoSpace())
+
+
+def _free(path: Path) -> str:
+    for p in (path, *path.parents):
+        try:
+            free = shutil.disk_usage(p).free
+        except OSError:
+            continue
+        return f"{free / 1e6:,.1f} MB free" if free >= 1e5 else f"{free:,} bytes free"
+    return "free space unknown"
+
+
+def _quiet_closed_loops() -> None:
+    """After a failed write, the write's abandoned tensorstore futures may still complete and
+    call back into orbax's closed event loop; each would print a RuntimeError as unraisable.
+    Installed (once) before the first write: those (and only those) are dropped, everything
+    else goes to the hook as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "zerojax_quiet", False):
+        return
+
+    def hook(u):
+        if not (u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed"):
+            previous(u)
+
+    hook.zerojax_quiet = True
+    sys.unraisablehook = hook
+
+
+# orbax's threads that write a step's items: once one fails, the others may still be writing.
+_WRITERS = ("array_type_handler", "serialize_shardings", "write_metadata_after_commits",
+            "json_ch_save", "save_finalize")
+
+
+def _remove_partial(path: Path, step: int | None) -> None:
+    """Removes what a failed save of `step` left (its temporary directory), freeing its space,
+    once orbax's other writers of it are done; on process 0, which orbax lets finalize."""
+    for t in threading.enumerate():
+        if t.name.startswith(_WRITERS) and t is not threading.current_thread():
+            t.join(timeout=60)
+    if step is None or jax.process_index() != 0:
+        return
+    for p in path.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def writing(path: Path, step: int | None = None):
+    """Reports a write into the checkpoint directory `path` that failed for lack of space (or
+    another OS error) as one CheckpointError naming the directory and its free space; the
+    complete steps there are left as they were (orbax writes each step into a temporary
+    directory first, which the next save removes)."""
+    _quiet_closed_loops()
+    try:
+        yield
+    except Exception as e:  # orbax raises the write's error as it comes, of many types
+        what = f"step {step}" if step is not None else "a checkpoint step"
+        free = _free(path)
+        if _no_space(e) or isinstance(e, OSError):
+            _remove_partial(path, step)
+        if _no_space(e):
+            damage = (f"cannot write {what} to {path}: no space left on its device ({free}); "
+                      f"the steps saved there before are intact")
+            raise CheckpointError(f"{damage}. Free some space (or keep fewer steps: keep=) and "
+                                  f"save again", damage=damage) from None
+        if isinstance(e, OSError):
+            damage = f"cannot write {what} to {path}: {e.strerror or e}"
+            raise CheckpointError(damage, damage=damage) from None
+        raise
