@@ -356,9 +356,12 @@ class Engine:
         if leaves is None:
             leaves, treedef = self.layout.leaves, self.layout.treedef
         mesh, replicated = self.mesh, NamedSharding(self.mesh, P())
-        n = dict(mesh.shape)[DATA]
+        # hpZ shards the state over both axes, data-major: so do its logical leaves, else
+        # turning one into the other replicates each leaf whole on every device.
+        axes = (DATA, REPLICA) if self.config.hpz else (DATA,)
+        n = math.prod(dict(mesh.shape)[a] for a in axes)
         sds = lambda shape, dtype, stacked=False: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked)
+            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked, axes)
             if math.prod(shape) >= n else replicated)
         params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf.stacked)
                                               for leaf in leaves])
@@ -412,13 +415,15 @@ class Engine:
         return checkpoint.restore(self, directory, step)
 
 
-def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
-    """Over "data" on the unit's first divisible axis (a local reshape of the flat shard)."""
-    n = dict(mesh.shape)[DATA]
+def _logical_sharding(mesh, shape, stacked: bool, axes=(DATA,)) -> NamedSharding:
+    """Over `axes` ("data"; hpZ: "data" and "replica") on the unit's first divisible axis (a
+    local reshape of the flat shard)."""
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
+    spec = axes[0] if len(axes) == 1 else tuple(axes)
     first = 1 if stacked else 0
     for a in [*range(first, len(shape)), *range(first)]:
         if n > 1 and shape[a] % n == 0:
-            return NamedSharding(mesh, P(*[DATA if i == a else None for i in range(len(shape))]))
+            return NamedSharding(mesh, P(*[spec if i == a else None for i in range(len(shape))]))
     return NamedSharding(mesh, P())
 
 

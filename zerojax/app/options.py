@@ -24,7 +24,8 @@ CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 # Options that change a run's trajectory (the data order or the updates), unlike devices,
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
-              "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
+              "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype",
+              "quantize_weights", "quantize_grads")
 
 
 OPTIMIZER_HELP = ("Default adamw; a resume continues with the saved one. "

@@ -260,6 +260,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.memory_rows(estimate, measured, measured_host)
+        + report.comm_rows(cfg, num_params, len(devices))
         + [("note", n) for n in notes], "zerojax train"))
 
     def evaluate(state) -> float:
