@@ -468,7 +468,11 @@ def test_train_flags_reach_the_config_and_the_table():
     assert report.comm_rows(types.SimpleNamespace(stage=3), psi, 8) == []  # plain: no row
     est = report.estimate_for(psi, 8, 3, cfg)
     assert est.memory.secondary == psi * (1 + 4 / 256) / 4  # under qwZ: the int8 message
-    assert "hpZ's secondary copy" in report.memory_rows(est, 0)[-1][1]
+    # qgZ's reduced gradients are float32, whatever the compute dtype.
+    assert est.memory.grads == psi * 4 / 8
+    assert report.memory_rows(est, 0)[-1][1] == (
+        f"+ grads {format_bytes(psi * 4 / 8)} (float32) + hpZ's secondary copy "
+        f"{format_bytes(psi * (1 + 4 / 256) / 4)} only while a step runs")
     for argv, words in [(["--stage", "0", "--quantize-weights", "int8"], "stage 0 gathers no"),
                         (["--hpz"], "--hpz needs --stage 3 and --replica R > 1"),
                         (["--quantize-grads", "int2"], None)]:

@@ -185,7 +185,7 @@ ADAM_BYTES = 8  # Adam's two fp32 moments
 def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str = "bfloat16",
                    *, replica: int = 1, offload: str | None = None,
                    optimizer_state_bytes: float = ADAM_BYTES, hpz: bool = False,
-                   quantize_weights: str | None = None,
+                   quantize_weights: str | None = None, quantize_grads: str | None = None,
                    quant_block: int = QUANT_BLOCK) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
@@ -198,7 +198,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     paper's numbers. `total - grads` is what the engine keeps between steps; gradients exist
     only inside the step. With `offload="optimizer"` the master and optimizer state are host
     bytes and the device always keeps a compute copy. `hpz`: see `estimate`; its secondary
-    copy is in `param_dtype`, or int8 plus scales under `quantize_weights`.
+    copy is in `param_dtype`, or int8 plus scales under `quantize_weights`. Under
+    `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
@@ -207,9 +208,10 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
     _check(num_params, devices, stage, replica, offload,
            optimizer_state_bytes=optimizer_state_bytes)
-    _check_formats(quantize_weights, None, quant_block)
+    _check_formats(quantize_weights, quantize_grads, quant_block)
     secondary = bytes_per_element(quantize_weights, quant_block) if quantize_weights else size
-    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
+    grads = MASTER_BYTES if quantize_grads else size
+    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
                     offload=offload, hpz=hpz, secondary_bytes=secondary)
 
@@ -412,7 +414,7 @@ class Measurement:
               "quantize_weights": self.quantize_weights}
         devices = self.devices * self.replica
         mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
-                             offload=self.offload,
+                             offload=self.offload, quantize_grads=self.quantize_grads,
                              optimizer_state_bytes=self.optimizer_state_bytes, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes,

@@ -77,6 +77,7 @@ class RunEstimate:
     offload: str | None = None  # master and optimizer state in host memory (`memory.host`)
     optimizer: str = "adamw"  # a name of `presets.OPTIMIZERS`
     state_bytes: float = ADAM_BYTES  # the optimizer state per param (from its init)
+    grad_dtype: str | None = None  # the reduced gradients' dtype (None: param_dtype)
 
     @property
     def state(self) -> float:
@@ -110,8 +111,8 @@ def memory_rows(estimate: RunEstimate, measured: int,
                             f"master {fmt(master)} + {estimate.held} {fmt(m.host - master)}"),
             ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
                  f"this device's shards of the state"),
-            ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs; "
-                 f"{fmt(m.transfer)} host<->device per step"),
+            ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype}) only while a step "
+                 f"runs; {fmt(m.transfer)} host<->device per step"),
         ]
     if estimate.shared_master:
         held = (f"{dtype} params {fmt(m.params)} (the master) + {estimate.held} "
@@ -123,7 +124,7 @@ def memory_rows(estimate: RunEstimate, measured: int,
     return [
         ("memory/device", f"{fmt(estimate.state)} estimated = {held}"),
         ("", f"{fmt(measured)} measured: this device's shards of the state"),
-        ("", f"+ grads {fmt(m.grads)} ({dtype})"
+        ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype})"
              + (f" + hpZ's secondary copy {fmt(m.secondary)}" if m.secondary else "")
              + " only while a step runs"),
     ]
@@ -257,9 +258,12 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
     memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
                             offload=offload, optimizer_state_bytes=state_bytes,
                             hpz=getattr(cfg, "hpz", False),
-                            quantize_weights=getattr(cfg, "quantize_weights", None))
+                            quantize_weights=getattr(cfg, "quantize_weights", None),
+                            quantize_grads=getattr(cfg, "quantize_grads", None))
+    grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
-                       offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes)
+                       offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,
+                       grad_dtype)
 
 
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
