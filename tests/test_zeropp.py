@@ -480,3 +480,27 @@ def test_train_flags_reach_the_config_and_the_table():
             options.validate(options.parse_args(argv))
         if words:
             assert words in str(e.value)
+
+
+def test_measure_command_reads_the_quantized_bytes_from_the_hlo(capsys, monkeypatch):
+    """`zerojax measure --quantize-weights int8 --quantize-grads int4`: values and scales by
+    element type from the program, next to the formula's."""
+    import json
+    import os
+
+    from zerojax.analysis.commands import measure_main
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the command sets it
+    assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--json",
+                         "--quantize-weights", "int8", "--quantize-grads", "int4"]) == 0
+    (m,) = json.loads(capsys.readouterr().out)["measurements"]
+    by, comm = m["collective_dtype_bytes"], m["estimate"]["comm"]
+    assert set(by["all_gather"]) == {"s8", "f32"} and set(by["all_to_all"]) == {"u8", "f32"}
+    assert m["collective_bytes"]["reduce_scatter"] == 0
+    assert sum(by["all_to_all"].values()) == m["collective_bytes"]["all_to_all"]
+    # The formula assumes full blocks: the test GPT's small leaves add partial ones.
+    assert m["collective_bytes"]["all_to_all"] == pytest.approx(comm["all_to_all"], rel=0.1)
+    assert by["all_to_all"]["f32"] >= comm["all_to_all_scales"]
+    with pytest.raises(SystemExit) as e:
+        measure_main(["--model", "test", "--devices", "8", "--quantize-weights", "int8"])
+    assert e.value.code == 2 and "needs stages 1-3" in capsys.readouterr().err
