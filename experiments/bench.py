@@ -45,6 +45,14 @@ BASELINE = "gspmd_fsdp"
 HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
 FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 OFFLOAD = "stage3_offload"  # stage 3 with the optimizer state in host memory
+# ZeRO++ (ZeroConfig's options), run when named in --variants: qwZ int8 weight gathers, qgZ
+# int4 gradient reductions, both, and both with hpZ on a replica 2 × data N/2 mesh.
+ZEROPP = {
+    "stage3_qwz": {"quantize_weights": "int8"},
+    "stage3_qgz": {"quantize_grads": "int4"},
+    "stage3_qwz_qgz": {"quantize_weights": "int8", "quantize_grads": "int4"},
+    "stage3_zeropp": {"quantize_weights": "int8", "quantize_grads": "int4", "hpz": True},
+}
 WARMUP_STEPS = 2  # after the compiling call
 LR = 3e-4
 OPTIMIZER_CHOICES = ("adamw", "clip-adamw", "lamb", "adafactor", "muon")
@@ -77,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "every variant; muon adds stage1_replicated / stage3_replicated (its "
                         "Newton-Schulz on every device, not on owners)")
     p.add_argument("--variants", nargs="+", default=None,
-                   help="subset to run (the baseline always runs)")
+                   help="subset to run (the baseline always runs); the ZeRO++ variants "
+                        f"{', '.join(ZEROPP)} run only when named")
     p.add_argument("--baseline", default=BASELINE,
                    help="the variant the ratios are against (optax_single: one device)")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each variant")
@@ -138,11 +147,16 @@ class Variant:
 
 
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
-                 offload=None, owners=True) -> Variant:
+                 offload=None, owners=True, **zeropp) -> Variant:
     own_clip = args.optimizer == "adamw"  # the engine clips; otherwise the optax chain does
     cfg = zj.ZeroConfig(stage=stage, param_dtype=args.param_dtype, remat=args.remat,
                         clip_norm=args.clip_norm if own_clip else None, prefetch=prefetch,
-                        offload=offload)
+                        offload=offload, **zeropp)
+    if cfg.hpz:  # the same devices as replica 2 × data N/2
+        n = mesh.shape[DATA]
+        if n < 4 or n % 2:
+            raise ValueError(f"hpZ needs a replica axis: an even N >= 4 devices (got {n})")
+        mesh = zj.make_mesh(data=n // 2, replica=2, devices=list(mesh.devices.flat))
     engine = zj.Engine(model, optax.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
                        owners=owners)
     batch = put_batch(host_batch, mesh)
@@ -267,6 +281,9 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
         OFFLOAD: lambda: zero_variant(OFFLOAD, model, mesh, args, host_batch, 3,
                                       offload="optimizer"),
     }
+    for name, kw in ZEROPP.items():
+        makers[name] = (lambda name=name, kw=kw: zero_variant(name, model, mesh, args,
+                                                              host_batch, 3, **kw))
     if args.optimizer == "muon":
         for s in (1, 3):
             makers[f"stage{s}_replicated"] = (
@@ -283,7 +300,7 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
 
 def selected(makers, args) -> list[str]:
     """The names to run, in the makers' order; the baseline always runs."""
-    wanted = set(args.variants or makers) | {args.baseline}
+    wanted = set(args.variants or [n for n in makers if n not in ZEROPP]) | {args.baseline}
     unknown = wanted - set(makers)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {sorted(makers)}")

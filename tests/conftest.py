@@ -20,7 +20,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The longest files (~20-70 s each on 2 cores), longest first: `--dist loadfile` hands files
 # out in collection order, so the short ones come last and even out the two workers' finish.
 LONGEST_FIRST = ("test_train.py", "test_checkpoint.py", "test_bench.py", "test_adapters.py",
-                 "test_published.py", "test_parity.py", "test_engine.py", "test_compiled.py",
+                 "test_published.py", "test_parity.py", "test_zeropp.py", "test_engine.py",
+                 "test_compiled.py",
                  "test_offload.py", "test_measure.py", "test_planning.py", "test_state.py")
 
 

@@ -25,7 +25,7 @@ def _wings(names: set[str]) -> list[str]:
     return sorted(m for m in names if any(m.startswith(f"zerojax.{w}") for w in WINGS))
 
 
-CORE_PACKAGES = ("update",)  # the optimizer over the shards: a core module in several files
+CORE_PACKAGES = ("collectives", "update")  # core modules in several files
 
 
 def test_core_imports_no_wing():

@@ -151,8 +151,8 @@ def test_stages_share_traffic_and_shrink_memory(measured):
 def test_json_round_trip(measured):
     d = json.loads(json.dumps(measured[3].as_dict()))
     assert d["state"]["total"] == measured[3].state["total"]
-    assert set(d["collective_bytes"]) == {"all_gather", "reduce_scatter", "all_reduce", "other",
-                                          "total"}
+    assert set(d["collective_bytes"]) == {"all_gather", "reduce_scatter", "all_reduce",
+                                          "all_to_all", "other", "total"}
 
 
 # --- the HLO reader on a hand-written module ------------------------------------------------
@@ -211,7 +211,7 @@ def test_collective_bytes_of_nested_loops_and_async_pairs():
     assert out["all_reduce"] == 2 * 1 / 2 * 64  # groups of 2
     assert out["other"] == 64
     assert out["total"] == sum(out[k] for k in ("all_gather", "reduce_scatter", "all_reduce",
-                                                "other"))
+                                                "all_to_all", "other"))
 
 
 # --- the command line on a 7B model and 64 simulated devices -------------------------------

@@ -12,6 +12,9 @@ from zerojax.precision import dtype_name
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("optimizer",)
+WEIGHT_FORMATS = ("int8",)  # qwZ
+GRAD_FORMATS = ("int8", "int4")  # qgZ
+QUANT_BLOCK = 256  # elements per quantization block: a float32 scale adds 1/64 byte each
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,19 @@ class ZeroConfig:
     offload: None (default) or "optimizer" (ZeRO-Offload, stages 1-3): the fp32 master shard
         and the optimizer state live in pinned host memory, the optimizer update runs on the
         host, and only the updated compute-dtype shard comes back to the device.
+    quantize_weights: ZeRO++ qwZ, stages 1-3: None, or "int8": every all_gather of compute
+        params (stage 3's per-layer gathers, forward and backward; the refresh of stages 1-2)
+        sends block-quantized int8 values and a float32 scale per block, dequantized to
+        `param_dtype` on arrival. The master and the optimizer never see quantized values.
+    quantize_grads: ZeRO++ qgZ: None, "int8" or "int4" (two per byte): the gradient
+        reduce-scatter becomes an all_to_all of block-quantized pieces, summed in float32
+        after dequantization (so the reduced gradient is float32); "data" first, then
+        "replica". Stage 0's all-reduce: the same, then an all_gather in `param_dtype`.
+    quant_block: elements per quantization block (default 256; int4 needs an even number).
+    hpz: ZeRO++ hpZ, stage 3 on a replica × data mesh: the master, optimizer state and
+        compute shard are sharded over all R·D devices, and each step keeps a secondary copy
+        of the params sharded over "data" only (Ψ·pb/D per device while the step runs), so
+        the per-layer gathers of forward and backward stay within "data".
     """
 
     stage: int = 0
@@ -47,6 +63,10 @@ class ZeroConfig:
     loss_scale_init: float = 2.0**15
     loss_scale_interval: int = 2000
     offload: str | None = None
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quant_block: int = QUANT_BLOCK
+    hpz: bool = False
 
     def __post_init__(self):
         stage = _integer("stage", self.stage)
@@ -86,10 +106,59 @@ class ZeroConfig:
             raise ConfigError(f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage=0); "
                               f"stage 0 keeps a full optimizer copy per device, so there is "
                               f"no shard to offload")
+        self._check_zeropp()
+
+    def _check_zeropp(self) -> None:
+        """The ZeRO++ options (qwZ, qgZ, hpZ) and how they combine with the others."""
+        qw, qg = self.quantize_weights, self.quantize_grads
+        if qw is not None and (not isinstance(qw, str) or qw not in WEIGHT_FORMATS):
+            raise ConfigError(f"quantize_weights={qw!r} is not a weight format; use 'int8' "
+                              f"(qwZ) or None")
+        if qg is not None and (not isinstance(qg, str) or qg not in GRAD_FORMATS):
+            raise ConfigError(f"quantize_grads={qg!r} is not a gradient format; use one of "
+                              f"{GRAD_FORMATS} (qgZ) or None")
+        block = _integer("quant_block", self.quant_block,
+                         f"an integer >= 8 (the default is {QUANT_BLOCK})")
+        if block < 8:
+            raise ConfigError(f"quant_block={block!r} must be an integer >= 8 (one float32 "
+                              f"scale per block: smaller blocks send more scale than values); "
+                              f"the default is {QUANT_BLOCK}")
+        object.__setattr__(self, "quant_block", block)
+        if qg == "int4" and block % 2:
+            raise ConfigError(f"quant_block={block} is odd, but quantize_grads='int4' packs two "
+                              f"values per byte, so a block must fill whole bytes; use an even "
+                              f"block such as {block + 1}")
+        if qw is not None and self.stage == 0:
+            raise ConfigError(f"quantize_weights={qw!r} needs stage 1, 2 or 3 (got stage=0): "
+                              f"stage 0 gathers no params; use quantize_grads to shrink its "
+                              f"all-reduce")
+        if qg is not None and self.reduce_dtype is not None:
+            raise ConfigError(f"quantize_grads={qg!r} and reduce_dtype={self.reduce_dtype!r} "
+                              f"both set the gradient reduction: qgZ sends {qg} and sums in "
+                              f"float32; drop reduce_dtype (or quantize_grads for a plain "
+                              f"{self.reduce_dtype} reduction)")
+        object.__setattr__(self, "hpz", _boolean("hpz", self.hpz))
+        if self.hpz and self.stage != 3:
+            raise ConfigError(f"hpz=True needs stage=3 (got stage={self.stage}): hpZ keeps a "
+                              f"secondary copy of the params that stage 3 shards")
+
+    def check_mesh(self, replica: int) -> None:
+        """ConfigError for options that the mesh (`replica` groups) cannot run."""
+        if self.hpz and replica < 2:
+            raise ConfigError("hpz=True needs a replica axis: build the mesh with "
+                              "make_mesh(replica=R, data=D), R > 1 (e.g. R nodes of D "
+                              "devices), or drop hpz")
+
+    @property
+    def zeropp(self) -> bool:
+        """Whether any ZeRO++ option is on."""
+        return bool(self.quantize_weights or self.quantize_grads or self.hpz)
 
     @property
     def grad_dtype(self) -> str:
-        """Dtype the gradients are reduced in."""
+        """Dtype the gradients are reduced in (qgZ sums the dequantized pieces in float32)."""
+        if self.quantize_grads is not None:
+            return "float32"
         return self.reduce_dtype or self.param_dtype
 
     @property

@@ -13,10 +13,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, ModelError
 from zerojax.mesh import (
     DATA,
+    REPLICA,
     batch_axes,
     check_batch,
     check_batch_like,
@@ -67,6 +69,7 @@ class Engine:
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
         self.owners = bool(owners)
         self.replica, self.data = mesh_sizes(mesh)
+        config.check_mesh(self.replica)
         self.axes = batch_axes(mesh)
         self.plan: StepPlan | None = None
         self._step_fn = None
@@ -126,11 +129,16 @@ class Engine:
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
         stage0 = self.config.stage == 0
-        layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data, replicated=stage0)
         cfg = self.config
+        if cfg.hpz:  # hpZ: the primary shard over every device, data-major (collectives.py)
+            layout = Layout(tuple(leaves), treedef, self.data * self.replica,
+                            axes=(DATA, REPLICA))
+        else:
+            layout = Layout(tuple(leaves), treedef, 1 if stage0 else self.data,
+                            replicated=stage0)
         how = StepUpdate(cfg.clip_norm, DTYPES[cfg.param_dtype] if cfg.offload else None,
                          takes_value(self.optimizer))
-        update = ShardedUpdate(self.optimizer, layout, how, owners=self.owners)
+        update = ShardedUpdate(self.optimizer, layout, how, axis=layout.axis, owners=self.owners)
         self.plan = StepPlan(self.model, self.optimizer, update, layout, cfg, self.axes,
                              self.replica, self.data)
         self._step_fn = None
@@ -197,6 +205,13 @@ class Engine:
             dtype = DTYPES[cfg.param_dtype]
             src = master if cfg.stage == 3 else params
             compute = jax.tree.map(lambda x: x.astype(dtype), src)
+            if cfg.quantize_weights and cfg.stage in (1, 2):
+                # The values the refresh's quantized gather gives: a restored or fresh state
+                # steps exactly as a continued one.
+                compute = layout.unflatten(
+                    roundtrip(m.astype(dtype) if cfg.offload else m, leaf, layout.shards,
+                              self.plan.wire, dtype)
+                    for m, leaf in zip(jax.tree.leaves(master), layout.leaves))
         return TrainState(jnp.zeros((), jnp.int32), master, self.plan.update.init(params), compute,
                           init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state))
 
@@ -341,9 +356,12 @@ class Engine:
         if leaves is None:
             leaves, treedef = self.layout.leaves, self.layout.treedef
         mesh, replicated = self.mesh, NamedSharding(self.mesh, P())
-        n = dict(mesh.shape)[DATA]
+        # hpZ shards the state over both axes, data-major: so do its logical leaves, else
+        # turning one into the other replicates each leaf whole on every device.
+        axes = (DATA, REPLICA) if self.config.hpz else (DATA,)
+        n = math.prod(dict(mesh.shape)[a] for a in axes)
         sds = lambda shape, dtype, stacked=False: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked)
+            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked, axes)
             if math.prod(shape) >= n else replicated)
         params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf.stacked)
                                               for leaf in leaves])
@@ -397,13 +415,15 @@ class Engine:
         return checkpoint.restore(self, directory, step)
 
 
-def _logical_sharding(mesh, shape, stacked: bool) -> NamedSharding:
-    """Over "data" on the unit's first divisible axis (a local reshape of the flat shard)."""
-    n = dict(mesh.shape)[DATA]
+def _logical_sharding(mesh, shape, stacked: bool, axes=(DATA,)) -> NamedSharding:
+    """Over `axes` ("data"; hpZ: "data" and "replica") on the unit's first divisible axis (a
+    local reshape of the flat shard)."""
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
+    spec = axes[0] if len(axes) == 1 else tuple(axes)
     first = 1 if stacked else 0
     for a in [*range(first, len(shape)), *range(first)]:
         if n > 1 and shape[a] % n == 0:
-            return NamedSharding(mesh, P(*[DATA if i == a else None for i in range(len(shape))]))
+            return NamedSharding(mesh, P(*[spec if i == a else None for i in range(len(shape))]))
     return NamedSharding(mesh, P())
 
 

@@ -38,12 +38,19 @@ class LeafSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """The layout of a model's params over `shards` devices of "data" (stage 0: replicated)."""
+    """The layout of a model's params over `shards` devices of "data" (stage 0: replicated;
+    hpZ: over all devices, data-major)."""
 
     leaves: tuple[LeafSpec, ...]
     treedef: jax.tree_util.PyTreeDef
     shards: int
     replicated: bool = False  # stage 0: one unpadded copy per device (shards == 1)
+    axes: tuple[str, ...] = (DATA,)  # the mesh axes sharding it; hpZ: ("data", "replica")
+
+    @property
+    def axis(self):
+        """The axis name (or names, data-major) that collectives over the shards take."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
 
     def shard_size(self, leaf: LeafSpec) -> int:
         """`k`: elements of one unit that one device holds."""
@@ -58,7 +65,7 @@ class Layout:
         """PartitionSpec of the padded flat leaf."""
         if self.replicated:
             return P()
-        return P(None, DATA) if leaf.stacked else P(DATA)
+        return P(None, self.axis) if leaf.stacked else P(self.axis)
 
     def specs(self):
         """PartitionSpecs of the flat params, as a pytree like the params."""

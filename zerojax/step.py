@@ -8,7 +8,10 @@ gradient reaches its owner:
   stage 2: zero shard-shaped stand-ins grad -> psum_scatter per unit inside backward (_view)
   stage 3: compute shards             grad -> psum_scatter per unit inside backward (_gather)
 
-With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over "replica".
+With a replica axis (hybrid sharding) the 1/N gradient shard is then summed over "replica";
+under hpZ the shards span both axes and stage 3's backward reduces over both.
+The ZeRO++ options change how these collectives travel (`plan.wire`, collectives.py), not
+which ones run.
 
 With `offload="optimizer"` the master shard and the optimizer state are host arrays: the
 reduced gradient shard goes to the host in its reduction dtype, the unscaling, clipping,
@@ -27,7 +30,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from zerojax.collectives import gather_layer, gather_units, vary
+from zerojax.collectives import (
+    Wire,
+    all_reduce,
+    gather_layer,
+    gather_units,
+    reduce_scatter_leaf,
+    vary,
+)
 from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
@@ -75,6 +85,13 @@ class StepPlan:
     @property
     def stores_compute(self) -> bool:
         return stores_compute(self.config.param_dtype, self.config.stage, self.config.offload)
+
+    @property
+    def wire(self) -> Wire:
+        """How the unit collectives travel: the config's ZeRO++ options."""
+        cfg = self.config
+        return Wire(cfg.quantize_weights, cfg.quantize_grads, cfg.quant_block,
+                    self.replica if cfg.hpz else 1)
 
 
 def stores_compute(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -171,7 +188,8 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         m = local // k
         units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch,
                            key=jax.random.fold_in(key, j), state=model_state, training=True,
-                           example_key=ex_key, rows=first + j * m + jnp.arange(m))
+                           example_key=ex_key, rows=first + j * m + jnp.arange(m),
+                           wire=plan.wire)
         loss, aux = split_loss(plan.model.loss(handles, mb, units))
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, aux, units.state)
@@ -203,7 +221,7 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     denom = plan.replica * plan.data * k * scale
     sq = sum(jnp.sum(jnp.square(_unscale(g, denom))) for g in grads)
     if stage >= 1:
-        sq = lax.psum(sq, DATA)
+        sq = lax.psum(sq, layout.axis)
     norm = jnp.sqrt(sq)
 
     ls = state.loss_scale
@@ -260,19 +278,19 @@ def _shard_shape(layout: Layout, leaf) -> tuple[int, ...]:
 
 def _reduce(plan: StepPlan, grads: list) -> list:
     """Summed gradients in the master layout: full (stage 0) or this device's shard."""
-    stage, layout = plan.config.stage, plan.layout
+    stage, layout, wire = plan.config.stage, plan.layout, plan.wire
+    sizes = [plan.data if a == DATA else plan.replica for a in plan.axes]
     if stage == 0:
-        return [pad_flat(lax.psum(g.astype(plan.rdtype), plan.axes), leaf, 1)
-                for g, leaf in zip(grads, layout.leaves)]
+        return [pad_flat(all_reduce(g.astype(plan.rdtype), plan.axes, sizes, wire, plan.dtype),
+                         leaf, 1) for g, leaf in zip(grads, layout.leaves)]
     if stage == 1:
         out = []
         for g, leaf in zip(grads, layout.leaves):
             g = pad_flat(g.astype(plan.rdtype), leaf, plan.data)
-            # [L?, N·k] {U_data} -> [L?, k]
-            out.append(lax.psum_scatter(g, DATA, scatter_dimension=g.ndim - 1, tiled=True))
+            out.append(reduce_scatter_leaf(g, plan.data, wire))  # [L?, N·k] {U_data} -> [L?, k]
         grads = out
-    if plan.replica > 1:
-        grads = [lax.psum(g, REPLICA) for g in grads]  # the 1/N shard, summed over replicas
+    if plan.replica > 1 and not wire.hpz:  # the 1/N shard, summed over replicas
+        grads = [all_reduce(g, REPLICA, [plan.replica], wire, plan.dtype) for g in grads]
     return grads
 
 
@@ -300,7 +318,7 @@ def _refresh(plan: StepPlan, masters: list, old) -> Any:
         leaves, stacks = [layout.leaves[i] for i in idx], [masters[i] for i in idx]
 
         def layer(i, bufs, leaves=leaves, stacks=stacks):
-            units = gather_layer(stacks, i, leaves, n, dtype, replicated=True)
+            units = gather_layer(stacks, i, leaves, n, dtype, replicated=True, wire=plan.wire)
             return [lax.dynamic_update_index_in_dim(b, u, i, 0) for b, u in zip(bufs, units)]
 
         for i, v in zip(idx, lax.fori_loop(0, depth, layer, [olds[i] for i in idx])):
@@ -308,7 +326,7 @@ def _refresh(plan: StepPlan, masters: list, old) -> Any:
     flat = [i for i, leaf in enumerate(layout.leaves) if not leaf.stacked]
     if flat:
         units = gather_units([masters[i] for i in flat], [layout.leaves[i] for i in flat], n,
-                             dtype, replicated=True)
+                             dtype, replicated=True, wire=plan.wire)
         for i, v in zip(flat, units):
             out[i] = v
     return layout.unflatten(out)
@@ -325,7 +343,7 @@ def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
     ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
     units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False,
                        key=key, state=state.model_state, training=False, example_key=ex_key,
-                       rows=first + jnp.arange(local))
+                       rows=first + jnp.arange(local), wire=plan.wire)
     loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
     return _mean_metrics(loss, aux, plan.axes)
 

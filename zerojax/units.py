@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import jax
@@ -10,11 +9,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from zerojax.collectives import (
+    PLAIN,
     barrier,
-    gather_layer,
-    gather_sharded,
+    gather_from,
+    gather_unit,
     reduce_scatter_units,
-    split_units,
+    stack_source,
     view,
 )
 from zerojax.errors import ModelError
@@ -248,7 +248,7 @@ class ShardUnits(Context):
     """`gather`/`scan` for one stage inside the shard_map step."""
 
     def __init__(self, stage, layout, args, full, dtype, remat, prefetch=False, *, key=None,
-                 state=None, training=True, example_key=None, rows=None):
+                 state=None, training=True, example_key=None, rows=None, wire=PLAIN):
         self._context(key, state, training, example_key, rows)
         self.stage = stage
         self.layout = layout  # partition.Layout over the data axis
@@ -257,24 +257,33 @@ class ShardUnits(Context):
         self.dtype = dtype
         self.remat = remat
         self.prefetch = prefetch
+        self.wire = wire  # how the unit collectives travel (ZeRO++ options; collectives.py)
 
-    def _units(self, idx, args, fulls):
+    def _units(self, idx, args, fulls, src=None):
         """Several leaves' unit values (logical unit shape, compute dtype) from their local
         pieces, with one collective for all of them: an all_gather (stage 3) forward, a
-        reduce-scatter (stages 2, 3) backward."""
+        reduce-scatter (stages 2, 3) backward. `src`: hpZ's secondary shard of the unit."""
         leaves = tuple(self.layout.leaves[i] for i in idx)
         if self.stage <= 1:
             return [a.astype(self.dtype) for a in args]
         if self.stage == 2:
-            return list(view(tuple(fulls), tuple(args), leaves, self.layout.shards))
-        return split_units(gather_sharded(jnp.concatenate(args), self.dtype), leaves,
-                           self.layout.shards)
+            return list(view(tuple(fulls), tuple(args), leaves, self.layout.shards, self.wire))
+        return gather_unit(jnp.concatenate(args), src, leaves, self.layout.shards, self.dtype,
+                           self.wire)
+
+    def _source(self, idx, xs):
+        """hpZ's secondary shard of the units of leaves `idx` (stage 3), else None."""
+        if self.stage != 3:
+            return None
+        leaves = tuple(self.layout.leaves[i] for i in idx)
+        return stack_source(xs, leaves, self.layout.shards, self.dtype, self.wire)
 
     def gather(self, subtree):
         hs = _handles(subtree, "gather")
         idx = [h.index for h in hs]
         fulls = None if self.full is None else [self.full[i] for i in idx]
-        return _rebuild(subtree, self._units(idx, [self.args[i] for i in idx], fulls))
+        args = [self.args[i] for i in idx]
+        return _rebuild(subtree, self._units(idx, args, fulls, self._source(idx, args)))
 
     def scan(self, body, carry, stacked):
         hs = _handles(stacked, "scan")
@@ -283,15 +292,16 @@ class ShardUnits(Context):
             return _prefetch_scan(self, body, carry, stacked, idx)
         xs = [self.args[i] for i in idx]
         fulls = None if self.full is None else [self.full[i] for i in idx]
+        src = self._source(idx, xs)  # hpZ: gathered over "replica" once, before the loop
         fn = self._layer_fn(body)
 
         def step(c, layer):
-            args_l, fulls_l, i = layer
-            ws = _rebuild(stacked, barrier(self._units(idx, args_l, fulls_l)))
+            args_l, fulls_l, src_l, i = layer
+            ws = _rebuild(stacked, barrier(self._units(idx, args_l, fulls_l, src_l)))
             return fn(c, ws, i), None
 
         step = _remat(step, self.remat, self.stage)
-        return lax.scan(step, carry, (xs, fulls, jnp.arange(xs[0].shape[0])))[0]
+        return lax.scan(step, carry, (xs, fulls, src, jnp.arange(xs[0].shape[0])))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,18 +311,22 @@ class ShardUnits(Context):
 
 
 def _prefetch_scan(units, body, carry, stacked, idx):
-    layout, dtype = units.layout, units.dtype
+    layout, dtype, wire = units.layout, units.dtype, units.wire
     leaves = [layout.leaves[i] for i in idx]
     xs = [units.args[i] for i in idx]  # [L, k] each, in the reduction dtype
     length = xs[0].shape[0]
 
-    layer_of = partial(gather_layer, leaves=leaves, n=layout.shards, dtype=dtype)
+    # `src`: what the gathers read besides the shards, hpZ's secondary shard: gathered over
+    # "replica" once, in the forward, and kept as a residual for the backward's gathers.
+    def layer_of(xs, src, i):
+        return gather_from(xs, src, i, leaves, layout.shards, dtype, wire)
+
     body_i = units._layer_fn(body)
 
     def layer_fn(c, ws, i):
         return body_i(c, _rebuild(stacked, ws), i)
 
-    ws0 = layer_of(xs, 0)
+    ws0 = layer_of(xs, units._source(idx, xs), 0)
     fn, consts = jax.closure_convert(layer_fn, carry, ws0, jnp.int32(0))
 
     @jax.custom_vjp
@@ -324,31 +338,33 @@ def _prefetch_scan(units, body, carry, stacked, idx):
     # buffers outside the loop that XLA cannot share with it: 0.6 layers more peak memory
     # measured on an 8-layer GPT, against 1 layer for this form.
     def _forward(carry, xs, consts):
+        src = units._source(idx, xs)
+
         def step(state, i):
             c, ws = state
-            ws_next = layer_of(xs, jnp.minimum(i + 1, length - 1))  # prefetch
+            ws_next = layer_of(xs, src, jnp.minimum(i + 1, length - 1))  # prefetch
             return (fn(c, ws, i, *consts), ws_next), c
 
-        (c, _), cs = lax.scan(step, (carry, layer_of(xs, 0)), jnp.arange(length))
-        return c, cs
+        (c, _), cs = lax.scan(step, (carry, layer_of(xs, src, 0)), jnp.arange(length))
+        return c, (cs, src)
 
     def fwd(carry, xs, consts):
-        c, cs = _forward(carry, xs, consts)
-        return c, (cs, xs, consts)
+        c, (cs, src) = _forward(carry, xs, consts)
+        return c, (cs, xs, src, consts)
 
     def bwd(res, ct):
-        cs, xs, consts = res
+        cs, xs, src, consts = res
 
         def step(state, i):
             ct, ws, ct_k = state
-            ws_prev = layer_of(xs, jnp.maximum(i - 1, 0))  # prefetch
+            ws_prev = layer_of(xs, src, jnp.maximum(i - 1, 0))  # prefetch
             c_in = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), cs)
             _, vjp = jax.vjp(lambda c, w, k: fn(c, w, i, *k), c_in, ws, consts)
             ct, ct_ws, ct_ki = vjp(ct)
-            g = reduce_scatter_units(ct_ws, leaves, layout.shards, xs[0].dtype)
+            g = reduce_scatter_units(ct_ws, leaves, layout.shards, xs[0].dtype, wire)
             return (ct, ws_prev, jax.tree.map(jnp.add, ct_k, ct_ki)), g
 
-        init = (ct, layer_of(xs, length - 1), jax.tree.map(jnp.zeros_like, consts))
+        init = (ct, layer_of(xs, src, length - 1), jax.tree.map(jnp.zeros_like, consts))
         (ct, _, ct_k), gs = lax.scan(step, init, jnp.arange(length), reverse=True)
         return ct, gs, ct_k
 

@@ -14,8 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.analysis.hlo import collective_bytes, collectives
-from zerojax.config import OFFLOADS
+from zerojax.analysis.hlo import collective_bytes, collective_dtypes, collectives
+from zerojax.collectives.quantize import FORMATS, SCALE_BYTES, bytes_per_element
+from zerojax.config import OFFLOADS, QUANT_BLOCK
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
 from zerojax.step import stores_compute
@@ -42,9 +43,21 @@ class MemoryEstimate:
     total: float  # device bytes: params + grads + optimizer
     host: float = 0.0  # offload: master and optimizer state in host memory, Ψ·K/N
     transfer: float = 0.0  # offload: gradient shard down + compute shard up, Ψ·(gb + pb)/N
+    secondary: float = 0.0  # hpZ: the secondary copy while a step runs, Ψ·pb/D (in total)
+
+    @property
+    def state(self) -> float:
+        """What the engine keeps between steps: the total less gradients and hpZ's secondary
+        copy, which live only while a step runs."""
+        return self.total - self.grads - self.secondary
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        """The fields; hpZ's `secondary` only where it is not 0."""
+        return _without_zero(dataclasses.asdict(self), ("secondary",))
+
+
+def _without_zero(d: dict[str, float], optional: tuple[str, ...]) -> dict[str, float]:
+    return {k: v for k, v in d.items() if k not in optional or v}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +68,16 @@ class CommEstimate:
     reduce_scatter: float
     all_gather: float
     total: float
+    all_to_all: float = 0.0  # qgZ: quantized pieces (values + scales)
+    all_gather_scales: float = 0.0  # qwZ: the float32 block scales within `all_gather`
+    all_to_all_scales: float = 0.0  # qgZ: the float32 block scales within `all_to_all`
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        """The fields; the ZeRO++ ones only where they are not 0."""
+        return _without_zero(dataclasses.asdict(self), ZEROPP_COMM)
+
+
+ZEROPP_COMM = ("all_to_all", "all_gather_scales", "all_to_all_scales")
 
 
 def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any = None,
@@ -99,10 +119,17 @@ def estimate(
     optimizer_bytes: float = 12,
     replica: int = 1,
     offload: str | None = None,
+    hpz: bool = False,
+    secondary_bytes: float | None = None,
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
 
     `optimizer_bytes` is K: the fp32 master and the optimizer state per param (Adam: 4 + 8).
+
+    `hpz` (stage 3, ZeRO++): everything is sharded over all `devices` (full ZeRO-3 memory),
+    and while a step runs each device holds a secondary copy of the params sharded over the
+    D = devices / replica devices of its replica: `secondary` = Ψ·`secondary_bytes`/D
+    (default `param_bytes`; qwZ keeps the quantized message, 1 + 4/block bytes per param).
 
     `offload="optimizer"` (stages 1-3) moves the optimizer bytes to `host` memory: the device
     keeps the compute params and gradients (stage 1: `2Ψ + 2Ψ`, the full gradient exists
@@ -118,15 +145,37 @@ def estimate(
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
     )
+    _check_hpz(hpz, stage, replica)
     psi = int(num_params)
+    secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
+        if hpz else 0.0
+    n = devices if hpz else n
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     optimizer = psi * optimizer_bytes / (n if stage >= 1 else 1)
     if offload is None:
-        return MemoryEstimate(params, grads, optimizer, params + grads + optimizer)
+        return MemoryEstimate(params, grads, optimizer, params + grads + optimizer + secondary,
+                              secondary=secondary)
     # Each step the reduced gradient shard goes down and the updated compute shard comes up.
     transfer = psi * (grad_bytes + param_bytes) / n
-    return MemoryEstimate(params, grads, 0.0, params + grads, optimizer, transfer)
+    return MemoryEstimate(params, grads, 0.0, params + grads + secondary, optimizer, transfer,
+                          secondary)
+
+
+def _check_hpz(hpz: Any, stage: int, replica: int) -> None:
+    if hpz and (stage != 3 or replica < 2):
+        raise EstimateError(f"hpz=True needs stage 3 and replica >= 2 (got stage={stage}, "
+                            f"replica={replica}): hpZ's secondary copy is sharded within a "
+                            f"replica")
+
+
+def _check_formats(quantize_weights: Any, quantize_grads: Any, quant_block: Any) -> None:
+    if quantize_weights not in (None, "int8"):
+        raise EstimateError(f"quantize_weights={quantize_weights!r}: use 'int8' or None")
+    if quantize_grads not in (None, *FORMATS):
+        raise EstimateError(f"quantize_grads={quantize_grads!r}: use one of {FORMATS} or None")
+    if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
+        raise EstimateError(f"quant_block={quant_block!r} must be a positive integer")
 
 
 MASTER_BYTES = 4  # the fp32 master copy of a parameter
@@ -135,7 +184,9 @@ ADAM_BYTES = 8  # Adam's two fp32 moments
 
 def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str = "bfloat16",
                    *, replica: int = 1, offload: str | None = None,
-                   optimizer_state_bytes: float = ADAM_BYTES) -> MemoryEstimate:
+                   optimizer_state_bytes: float = ADAM_BYTES, hpz: bool = False,
+                   quantize_weights: str | None = None, quantize_grads: str | None = None,
+                   quant_block: int = QUANT_BLOCK) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
     moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
@@ -146,7 +197,9 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     state alone and `params` is the master. bfloat16 and float16 with Adam give the ZeRO
     paper's numbers. `total - grads` is what the engine keeps between steps; gradients exist
     only inside the step. With `offload="optimizer"` the master and optimizer state are host
-    bytes and the device always keeps a compute copy.
+    bytes and the device always keeps a compute copy. `hpz`: see `estimate`; its secondary
+    copy is in `param_dtype`, or int8 plus scales under `quantize_weights`. Under
+    `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
@@ -155,9 +208,12 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
     _check(num_params, devices, stage, replica, offload,
            optimizer_state_bytes=optimizer_state_bytes)
-    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=size,
+    _check_formats(quantize_weights, quantize_grads, quant_block)
+    secondary = bytes_per_element(quantize_weights, quant_block) if quantize_weights else size
+    grads = MASTER_BYTES if quantize_grads else size
+    return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
-                    offload=offload)
+                    offload=offload, hpz=hpz, secondary_bytes=secondary)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -180,8 +236,21 @@ def comm_estimate(
     param_bytes: float = 2,
     reduce_bytes: float | None = None,
     replica: int = 1,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
+    quant_block: int = QUANT_BLOCK,
+    hpz: bool = False,
 ) -> CommEstimate:
-    """Per-device bytes sent per training step by ring collectives, by collective."""
+    """Per-device bytes sent per training step by ring collectives, by collective.
+
+    ZeRO++ (Wang et al. 2023): `quantize_weights="int8"` (qwZ) sends each gathered param as
+    1 + 4/`quant_block` bytes (int8 value + its share of a float32 scale);
+    `quantize_grads` (qgZ) turns each gradient reduce-scatter into an all_to_all of
+    int8 (1 + 4/block) or int4 (0.5 + 4/block) bytes per element, and the replica all-reduce
+    (and stage 0's) into those plus an all_gather of the sum in `param_bytes`; `hpz` (stage 3)
+    adds a gather over the replicas of the Ψ/D secondary shard and reduces the gradient over
+    the replicas too (a reduce-scatter instead of an all-reduce).
+    """
     rb = grad_bytes if reduce_bytes is None else reduce_bytes
     n = _check(
         num_params,
@@ -192,20 +261,41 @@ def comm_estimate(
         param_bytes=param_bytes,
         reduce_bytes=rb,
     )
+    _check_formats(quantize_weights, quantize_grads, quant_block)
+    _check_hpz(hpz, stage, replica)
+    if quantize_weights and stage == 0:
+        raise EstimateError("quantize_weights needs stage 1, 2 or 3: stage 0 gathers no params")
     psi = int(num_params)
-    g, p = psi * rb, psi * param_bytes
-    if stage == 0:
+    wb = bytes_per_element(quantize_weights, quant_block) if quantize_weights else param_bytes
+    qb = bytes_per_element(quantize_grads, quant_block) if quantize_grads else rb
+    g, p = psi * rb, psi * wb
+    weights = sums = rs = ar = a2a = 0.0  # all_gathers: of params; of reduced gradients
+    if stage == 0 and not quantize_grads:
         # DDP all-reduces over every device; the replica axis is just more data parallelism.
-        all_reduce, reduce_scatter, all_gather = _ring(devices, g, 2), 0.0, 0.0
+        ar = _ring(devices, g, 2)
+    elif stage == 0:  # quantized reduce-scatters (data, then replica), then gathers of the sum
+        a2a = _ring(n, psi * qb) + _ring(replica, psi * qb / n)
+        sums = _ring(replica, psi * param_bytes / n) + _ring(n, psi * param_bytes)
     else:
         # Stage 3 gathers each unit in forward and again in backward (remat).
-        reduce_scatter = _ring(n, g)
-        all_gather = _ring(n, p, 2 if stage == 3 else 1)
-        # Hybrid sharding: the 1/N gradient shard is all-reduced across the R replicas.
-        all_reduce = _ring(replica, g / n, 2)
-    return CommEstimate(
-        all_reduce, reduce_scatter, all_gather, all_reduce + reduce_scatter + all_gather
-    )
+        weights = _ring(n, p, 2 if stage == 3 else 1)
+        hop = _ring(n, psi * qb)
+        a2a, rs = (hop, 0.0) if quantize_grads else (0.0, hop)
+        if hpz:  # the secondary shard over the replicas; the gradient reduced over them too
+            weights += _ring(replica, p / n)
+            if quantize_grads:
+                a2a += _ring(replica, psi * qb / n)
+            else:
+                rs += _ring(replica, g / n)
+        elif quantize_grads:
+            a2a += _ring(replica, psi * qb / n)
+            sums = _ring(replica, psi * param_bytes / n)
+        else:  # hybrid sharding: the 1/N gradient shard is all-reduced across the R replicas
+            ar = _ring(replica, g / n, 2)
+    ag = weights + sums
+    ag_scales = weights * SCALE_BYTES / quant_block / wb if quantize_weights else 0.0
+    a2a_scales = a2a * SCALE_BYTES / quant_block / qb if quantize_grads else 0.0
+    return CommEstimate(ar, rs, ag, ar + rs + ag + a2a, a2a, ag_scales, a2a_scales)
 
 
 _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
@@ -308,17 +398,27 @@ class Measurement:
     split: str = "measured"  # how device/host were told apart: "measured" or "derived"
     # The engine's optimizer state per param, master excluded, from its init (Adam: 8).
     optimizer_state_bytes: float = ADAM_BYTES
+    # ZeRO++ (ZeroConfig's fields of the same names), and the requested bytes by kind and
+    # element type: a quantized collective's values ("s8", int4 packed in "u8") and scales
+    # ("f32") apart.
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quant_block: int = QUANT_BLOCK
+    hpz: bool = False
+    collective_dtype_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
         """The analytic `state_estimate` (with the engine's optimizer state) and
         `comm_estimate` for this configuration."""
-        kw = {"replica": self.replica}
+        kw = {"replica": self.replica, "hpz": self.hpz, "quant_block": self.quant_block,
+              "quantize_weights": self.quantize_weights}
         devices = self.devices * self.replica
         mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
-                             offload=self.offload,
+                             offload=self.offload, quantize_grads=self.quantize_grads,
                              optimizer_state_bytes=self.optimizer_state_bytes, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
-                             grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes, **kw)
+                             grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes,
+                             quantize_grads=self.quantize_grads, **kw)
         return mem, comm
 
     def as_dict(self) -> dict[str, Any]:
@@ -371,7 +471,8 @@ def measure_lowered(engine, lowered) -> Measurement:
     mem = compiled.memory_analysis()
     n_all = engine.replica * engine.data
     cfg = engine.config
-    requested, launches, unknown = collectives(lowered.compiler_ir("hlo").as_hlo_text(), n_all)
+    text = lowered.compiler_ir("hlo").as_hlo_text()
+    requested, launches, unknown = collectives(text, n_all)
     state = state_bytes(engine)
     peak, host_peak, device_peak, split = peaks(mem, state["host"])
     return Measurement(
@@ -397,6 +498,11 @@ def measure_lowered(engine, lowered) -> Measurement:
         device_peak_bytes=device_peak,
         split=split,
         optimizer_state_bytes=optimizer_state_size(engine).per_param,
+        quantize_weights=cfg.quantize_weights,
+        quantize_grads=cfg.quantize_grads,
+        quant_block=cfg.quant_block,
+        hpz=cfg.hpz,
+        collective_dtype_bytes=collective_dtypes(text, n_all),
     )
 
 

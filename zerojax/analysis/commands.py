@@ -207,9 +207,17 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="keep the optimizer state in host memory (stages 1-3); the table "
                         "splits device and host bytes")
+    p.add_argument("--quantize-weights", choices=("int8",), default=None,
+                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
+    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
+                   help="ZeRO++ qgZ: quantized gradient reductions")
     a = p.parse_args(argv)
     if a.offload and 0 in a.stage:
         p.error(f"--offload {a.offload} needs stages 1-3; drop stage 0 (e.g. --stage 1,2,3)")
+    if a.quantize_weights and 0 in a.stage:
+        p.error(f"--quantize-weights {a.quantize_weights} needs stages 1-3 (stage 0 gathers no "
+                f"params); drop stage 0 (e.g. --stage 1,2,3)")
+    quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads}
     _start_devices(p, a.devices)
     from zerojax.analysis.accounting import lower, measure_lowered
     from zerojax.config import ZeroConfig
@@ -220,12 +228,13 @@ def measure_main(argv: list[str]) -> int:
     model, batch = _gpt_and_batch(a.model, a.batch or a.devices * a.grad_accum)
     facts = _assumptions(a, model, batch, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
-        f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")))
+        f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")
+        + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items() if v)))
     print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
     results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
-                         grad_accum=a.grad_accum, offload=a.offload)
+                         grad_accum=a.grad_accum, offload=a.offload, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
             engine = Engine(model, named_optimizer(a.optimizer), make_mesh(data=a.devices), cfg)
@@ -264,6 +273,10 @@ def measure_main(argv: list[str]) -> int:
                         "host state": format_bytes(m.state["host"]),
                         "host formula": format_bytes(mem.host),
                         "device peak": format_bytes(m.device_peak_bytes), "split": m.split})
+        if a.quantize_weights or a.quantize_grads:  # the float32 block scales within "sent"
+            row["of which scales"] = format_bytes(sum(
+                by.get("f32", 0.0) for kind, by in m.collective_dtype_bytes.items()
+                if kind in ("all_gather", "all_to_all")))
         if a.memory:
             row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
         rows.append(row)
@@ -271,7 +284,10 @@ def measure_main(argv: list[str]) -> int:
     print_table(f"{a.model} ({n:,} params), {a.devices} devices, {a.optimizer}, per device; "
                 f"master+opt: the fp32 master and the optimizer state; state formula "
                  f"excludes grads (they live in temp); sent: bytes per step in "
-                 f"{a.param_dtype}, compiled: as this backend sends them"
+                 f"{a.param_dtype}"
+                 + (" (quantized collectives: their integer values + float32 scales)"
+                    if a.quantize_weights or a.quantize_grads else "")
+                 + ", compiled: as this backend sends them"
                  + ("; split: device/host peak measured by the compiler or derived from the "
                     "state's memory kinds" if a.offload else ""), rows)
     return 0

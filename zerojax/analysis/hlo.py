@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "other")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other")
 _KINDS = {
     "all-gather": "all_gather",
     "all-gather-start": "all_gather",
@@ -18,7 +18,7 @@ _KINDS = {
     "all-reduce-start": "all_reduce",
     "collective-permute": "other",
     "collective-permute-start": "other",
-    "all-to-all": "other",
+    "all-to-all": "all_to_all",
 }
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(\(.*\)\s*->.*)?\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
@@ -60,6 +60,43 @@ def _group_size(attrs: str, default: int) -> int:
         return len(explicit.group(1).split(","))
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # [groups, size]<=[...]
     return int(iota.group(2)) if iota else default
+
+
+def _groups(attrs: str, devices: int) -> list[list[int]]:
+    """The device groups of a collective (explicit lists, or the iota form
+    `[G,S]<=[dims]T(perm)`); one group of all devices when none are given."""
+    explicit = re.search(r"replica_groups=\{(\{[^=]*?\})\}", attrs)
+    if explicit:
+        return [[int(i) for i in g.split(",") if i.strip()]
+                for g in re.findall(r"\{([^{}]*)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                     attrs)
+    if not iota:
+        return [list(range(devices))]
+    import numpy as np
+
+    dims = [int(d) for d in iota.group(3).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(4):
+        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+    return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+
+
+def mesh_axis(groups: list[list[int]], replica: int, data: int) -> str:
+    """Which axes of a `replica × data` mesh (devices numbered row-major) a collective's groups
+    span: "data", "replica", "all", "none" (groups of one) or "other"."""
+    sets = [set(g) for g in groups]
+    if all(len(g) == 1 for g in sets):
+        return "none"
+    rows = {frozenset(range(r * data, (r + 1) * data)) for r in range(replica)}
+    cols = {frozenset(range(d, replica * data, data)) for d in range(data)}
+    if all(frozenset(g) in rows for g in sets):
+        return "data"
+    if all(frozenset(g) in cols for g in sets):
+        return "replica"
+    if sets == [set(range(replica * data))]:
+        return "all"
+    return "other"
 
 
 def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
@@ -108,8 +145,31 @@ def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
 
 def collectives(hlo_text: str, devices: int) -> tuple[dict[str, float], int, int]:
     """(bytes by kind, collectives launched, loops whose trip count is unknown and so is 1)."""
+    sites, unknown = collective_sites(hlo_text, devices)
+    out = dict.fromkeys(COLLECTIVES, 0.0)
+    for site in sites:
+        out[site["kind"]] += site["sent"]
+    out["total"] = sum(out[k] for k in COLLECTIVES)
+    return out, sum(site["launches"] for site in sites), unknown
+
+
+def collective_dtypes(hlo_text: str, devices: int) -> dict[str, dict[str, float]]:
+    """Bytes one device sends per step by collective kind and element type (e.g. a quantized
+    gather's "s8" values and "f32" scales)."""
+    out: dict[str, dict[str, float]] = {}
+    for site in collective_sites(hlo_text, devices)[0]:
+        kind = out.setdefault(site["kind"], {})
+        for dtype, sent in site["by_dtype"].items():
+            kind[dtype] = kind.get(dtype, 0.0) + sent
+    return out
+
+
+def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
+    """Every collective of an HLO module: its kind, opcode, bytes sent per step (`sent`, and
+    `by_dtype`), `launches` per step, device `groups`, and whether it runs inside a while loop
+    (`in_loop`); and the count of loops whose trip count is unknown (counted once)."""
     comps, entry = _parse_hlo(hlo_text)
-    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    calls: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
     unknown = 0
     for name, instrs in comps.items():
         for op, _, attrs in instrs:
@@ -123,41 +183,47 @@ def collectives(hlo_text: str, devices: int) -> tuple[dict[str, float], int, int
             for one, many in _CALLEE.findall(attrs):
                 for callee in re.findall(r"%?([\w.\-]+)", one or many):
                     if callee in comps:
-                        calls[name].append((callee, factor))
+                        calls[name].append((callee, factor, op == "while"))
     # Multiplicity of each computation: sum over call paths from the entry (a DAG).
     order, seen = [], set()
 
     def visit(c):
         if c not in seen:
             seen.add(c)
-            for callee, _ in calls[c]:
+            for callee, _, _ in calls[c]:
                 visit(callee)
             order.append(c)
 
     visit(entry)
     mult = dict.fromkeys(comps, 0)
     mult[entry] = 1
+    in_loop = dict.fromkeys(comps, False)
     for c in reversed(order):
-        for callee, factor in calls[c]:
+        for callee, factor, loop in calls[c]:
             mult[callee] += mult[c] * factor
-    out, launches = dict.fromkeys(COLLECTIVES, 0.0), 0
+            in_loop[callee] |= in_loop[c] or loop
+    sites = []
     for name, instrs in comps.items():
         for op, typ, attrs in instrs:
             kind = _KINDS.get(op)
             if kind is None or not mult[name]:
                 continue
-            sizes = _shape_bytes(typ)
+            shapes = [(dt, _dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d))
+                      for dt, dims in _SHAPE.findall(typ)]
             n = _group_size(attrs, devices)
             if op == "all-gather-start":  # (operands..., results...): results are n/(n+1)
-                size = sum(sizes) * n / (n + 1)
+                share = n / (n + 1)
             elif op == "collective-permute-start":  # (operand, result, contexts...)
-                size = sizes[0]
+                shapes, share = shapes[:1], 1.0
             else:
-                size = sum(sizes)
-            sent = {"all-gather": (n - 1) / n * size, "reduce-scatter": (n - 1) * size,
-                    "all-reduce": 2 * (n - 1) / n * size, "all-to-all": (n - 1) / n * size,
-                    "collective-permute": size}[op.removesuffix("-start")]
-            out[kind] += mult[name] * sent
-            launches += mult[name]
-    out["total"] = sum(out[k] for k in COLLECTIVES)
-    return out, launches, unknown
+                share = 1.0
+            ratio = {"all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+                     "all-reduce": 2 * (n - 1) / n, "all-to-all": (n - 1) / n,
+                     "collective-permute": 1}[op.removesuffix("-start")]
+            by_dtype: dict[str, float] = {}
+            for dt, size in shapes:
+                by_dtype[dt] = by_dtype.get(dt, 0.0) + mult[name] * ratio * share * size
+            sites.append({"kind": kind, "op": op, "sent": sum(by_dtype.values()),
+                          "by_dtype": by_dtype, "launches": mult[name],
+                          "groups": _groups(attrs, devices), "in_loop": in_loop[name]})
+    return sites, unknown

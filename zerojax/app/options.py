@@ -24,7 +24,8 @@ CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 # Options that change a run's trajectory (the data order or the updates), unlike devices,
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
-              "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype")
+              "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype",
+              "quantize_weights", "quantize_grads")
 
 
 OPTIMIZER_HELP = ("Default adamw; a resume continues with the saved one. "
@@ -75,6 +76,13 @@ class TrainConfig:
     """Stage 3: gather layer i+1's parameters while layer i computes."""
     offload: Literal["optimizer"] | None = None
     """optimizer: keep the fp32 master and optimizer state in host memory (stages 1-3)."""
+    quantize_weights: Literal["int8"] | None = None
+    """ZeRO++ qwZ (stages 1-3): gather params as block-quantized int8 (half of bf16's bytes)."""
+    quantize_grads: Literal["int8", "int4"] | None = None
+    """ZeRO++ qgZ: reduce gradients as block-quantized int8/int4 pieces, summed in float32."""
+    hpz: bool = False
+    """ZeRO++ hpZ (stage 3, --replica > 1): a secondary param copy sharded within each replica
+    group, so the per-layer gathers stay inside it."""
     out: str = "runs/train"
     """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
     save_every: int = 0
@@ -228,6 +236,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.offload is not None and cfg.stage == 0:
         raise UsageError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (got --stage 0): "
                          f"stage 0 has no optimizer shard to offload")
+    if cfg.quantize_weights is not None and cfg.stage == 0:
+        raise UsageError(f"--quantize-weights {cfg.quantize_weights} needs --stage 1, 2 or 3 "
+                         f"(got --stage 0): stage 0 gathers no params; use --quantize-grads")
+    if cfg.hpz and (cfg.stage != 3 or cfg.replica < 2):
+        raise UsageError(f"--hpz needs --stage 3 and --replica R > 1 (got --stage {cfg.stage}, "
+                         f"--replica {cfg.replica}): hpZ shards a secondary copy of the params "
+                         f"within each replica group")
     if not cfg.out.strip():
         raise UsageError("--out is empty; name a run directory, e.g. --out runs/train")
     resume = cfg.resume or cfg.resume_step is not None

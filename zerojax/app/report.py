@@ -25,11 +25,13 @@ from zerojax.analysis.accounting import (
     ADAM_BYTES,
     MASTER_BYTES,
     MemoryEstimate,
+    comm_estimate,
     format_bytes,
     on_host,
     shares_master,
     state_estimate,
 )
+from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 
 
@@ -75,11 +77,13 @@ class RunEstimate:
     offload: str | None = None  # master and optimizer state in host memory (`memory.host`)
     optimizer: str = "adamw"  # a name of `presets.OPTIMIZERS`
     state_bytes: float = ADAM_BYTES  # the optimizer state per param (from its init)
+    grad_dtype: str | None = None  # the reduced gradients' dtype (None: param_dtype)
 
     @property
     def state(self) -> float:
-        """What the engine keeps between steps: everything but the gradients."""
-        return self.memory.total - self.memory.grads
+        """What the engine keeps between steps: everything but the gradients (and hpZ's
+        secondary copy)."""
+        return self.memory.state
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.memory.as_dict(), "state": self.state, "param_dtype": self.param_dtype,
@@ -107,8 +111,8 @@ def memory_rows(estimate: RunEstimate, measured: int,
                             f"master {fmt(master)} + {estimate.held} {fmt(m.host - master)}"),
             ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
                  f"this device's shards of the state"),
-            ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs; "
-                 f"{fmt(m.transfer)} host<->device per step"),
+            ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype}) only while a step "
+                 f"runs; {fmt(m.transfer)} host<->device per step"),
         ]
     if estimate.shared_master:
         held = (f"{dtype} params {fmt(m.params)} (the master) + {estimate.held} "
@@ -120,7 +124,9 @@ def memory_rows(estimate: RunEstimate, measured: int,
     return [
         ("memory/device", f"{fmt(estimate.state)} estimated = {held}"),
         ("", f"{fmt(measured)} measured: this device's shards of the state"),
-        ("", f"+ grads {fmt(m.grads)} ({dtype}) only while a step runs"),
+        ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype})"
+             + (f" + hpZ's secondary copy {fmt(m.secondary)}" if m.secondary else "")
+             + " only while a step runs"),
     ]
 
 
@@ -250,9 +256,14 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
     (`cfg.optimizer`, default adamw) whose state takes `state_bytes` per param."""
     offload = getattr(cfg, "offload", None)
     memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
-                            offload=offload, optimizer_state_bytes=state_bytes)
+                            offload=offload, optimizer_state_bytes=state_bytes,
+                            hpz=getattr(cfg, "hpz", False),
+                            quantize_weights=getattr(cfg, "quantize_weights", None),
+                            quantize_grads=getattr(cfg, "quantize_grads", None))
+    grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
-                       offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes)
+                       offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,
+                       grad_dtype)
 
 
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
@@ -273,6 +284,7 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
                  f"{'remat' if cfg.remat else 'no remat'}"
                  + (", prefetch" if cfg.prefetch else "")
                  + (f", offload {cfg.offload} (host memory)" if cfg.offload else "")
+                 + zeropp_text(cfg)
                  + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
         ("batch", f"{cfg.batch} × {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
@@ -283,6 +295,35 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
         ("steps", f"{cfg.steps}" + (f" (resuming at {start})" if start else "")),
         ("out", cfg.out),
     ]
+
+
+def zeropp_text(cfg) -> str:
+    """The ZeRO++ options of a run, as the start-up table's ZeRO row lists them."""
+    return ((f", qwZ {cfg.quantize_weights} gathers" if getattr(cfg, "quantize_weights", None)
+             else "")
+            + (f", qgZ {cfg.quantize_grads} reductions" if getattr(cfg, "quantize_grads", None)
+               else "")
+            + (", hpZ" if getattr(cfg, "hpz", False) else ""))
+
+
+def comm_rows(cfg, num_params: int, devices: int) -> list[tuple[str, str]]:
+    """Bytes one device sends per step by collective (`comm_estimate`), values and scales
+    apart; only for a run with a ZeRO++ option (the plain table stays as it was)."""
+    if not zeropp_text(cfg):
+        return []
+    size = np.dtype(DTYPES[cfg.param_dtype]).itemsize
+    kw = {k: getattr(cfg, k, None) for k in ("quantize_weights", "quantize_grads")}
+    c = comm_estimate(num_params, devices, cfg.stage, grad_bytes=size, param_bytes=size,
+                      replica=cfg.replica, hpz=getattr(cfg, "hpz", False), **kw)
+    parts = []
+    for name, total, scales in (("all_gather", c.all_gather, c.all_gather_scales),
+                                ("reduce_scatter", c.reduce_scatter, 0.0),
+                                ("all_to_all", c.all_to_all, c.all_to_all_scales),
+                                ("all_reduce", c.all_reduce, 0.0)):
+        if total:
+            parts.append(f"{name} {format_bytes(total)}"
+                         + (f" (scales {format_bytes(scales)})" if scales else ""))
+    return [("comm/device", f"{format_bytes(c.total)} per step estimated = " + " + ".join(parts))]
 
 
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,

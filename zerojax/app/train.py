@@ -196,7 +196,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         notes.append(f"--xla-overlap: GPU flags, no effect on {devices[0].platform}")
     zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
                       clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
-                      offload=cfg.offload)
+                      offload=cfg.offload, quantize_weights=cfg.quantize_weights,
+                      quantize_grads=cfg.quantize_grads, hpz=cfg.hpz)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
 
@@ -260,6 +261,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.memory_rows(estimate, measured, measured_host)
+        + report.comm_rows(cfg, num_params, len(devices))
         + [("note", n) for n in notes], "zerojax train"))
 
     def evaluate(state) -> float:

@@ -50,10 +50,12 @@ def _kind(*progs: Program) -> str:
 
 
 def _typed(p: Planner, reps, xs):
-    """Flat values typed as varying over the data axis, as every path must give them."""
+    """Flat values typed as varying over the data axis (hpZ: both axes), as every path must
+    give them."""
     if p.shards == 1:
         return tuple(xs)
-    return tuple(vary(x, (p.axis,)) if isinstance(r, Flat) else x for r, x in zip(reps, xs))
+    axes = p.axis if isinstance(p.axis, tuple) else (p.axis,)
+    return tuple(vary(x, axes) if isinstance(r, Flat) else x for r, x in zip(reps, xs))
 
 
 def plan_cond(p: Planner, eqn, ins):
