@@ -154,6 +154,8 @@ def _transfers(jaxpr, out):
     """The avals of every `device_put` into device memory of a value in host memory, in
     `jaxpr` and the jaxprs inside it (shard_map, jit, scan bodies)."""
     for eqn in jaxpr.eqns:
+        if eqn.ctx.compute_type == "device_host":
+            continue  # a host computation: its values are typed device memory, not moved
         if eqn.primitive.name == "device_put" and \
                 tuple(eqn.params["devices"]) == (jax.memory.Space.Device,):
             out += [v.aval for v in eqn.invars

@@ -176,7 +176,7 @@ def _state_expectation(engine):
         return cached[1:]
     abstract = engine.abstract_state()
     flat, treedef = jax.tree.flatten_with_path(abstract)
-    want = {jax.tree_util.keystr(p): (tuple(x.shape), np.dtype(x.dtype)) for p, x in flat}
+    want = {jax.tree_util.keystr(p): (tuple(x.shape), x.dtype) for p, x in flat}
     _STATES[engine] = (engine.plan, want, treedef, frozenset(engine.mesh.devices.flat))
     return want, treedef, _STATES[engine][3]
 
@@ -210,7 +210,7 @@ def check_state(engine, state) -> None:
             return
     flat = jax.tree.flatten_with_path(state)[0]
     got = {jax.tree_util.keystr(p): _aval(x) for p, x in flat}
-    want = {k: f"{np.dtype(d).name}{shape}" for k, (shape, d) in want.items()}
+    want = {k: f"{_dtype_name(d)}{shape}" for k, (shape, d) in want.items()}
     diffs = []
     for field in type(state)._fields:  # the first difference of each field
         mine = {k: v for k, v in want.items() if k.split("[")[0] == f".{field}"}
@@ -234,9 +234,14 @@ def check_state(engine, state) -> None:
         f"restore it into this engine")
 
 
+def _dtype_name(dtype) -> str:
+    """numpy's name, or a PRNG key's (`key<fry>`: an optimizer's noise key)."""
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+
+
 def _aval(x) -> str:
     dtype = getattr(x, "dtype", None)
-    name = np.dtype(dtype).name if dtype is not None else type(x).__name__
+    name = _dtype_name(dtype) if dtype is not None else type(x).__name__
     return f"{name}{tuple(np.shape(x)) if dtype is not None else ''}"
 
 

@@ -203,9 +203,10 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
 
         try:
             saved = read_metadata(ckpt, cfg.resume_step)["extra"].get("train_config", {})
-        except CheckpointError as e:
-            raise CheckpointError(intact_hint(e, "--resume-step")) from None
-        cfg = resume_optimizer(cfg, saved)
+        except CheckpointError:
+            saved = None  # the restore below names the damage and the intact steps to pick
+        if saved is not None:
+            cfg = resume_optimizer(cfg, saved)
     optimizer, schedule = make_optimizer(cfg)
     engine = Engine(model, optimizer, mesh, zcfg)
 
