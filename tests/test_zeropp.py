@@ -504,3 +504,26 @@ def test_measure_command_reads_the_quantized_bytes_from_the_hlo(capsys, monkeypa
     with pytest.raises(SystemExit) as e:
         measure_main(["--model", "test", "--devices", "8", "--quantize-weights", "int8"])
     assert e.value.code == 2 and "needs stages 1-3" in capsys.readouterr().err
+
+
+def test_estimate_command_takes_the_zeropp_options(capsys):
+    import json
+
+    from zerojax.analysis.commands import estimate_main
+
+    psi, argv = 7_500_000_000, ["--params", "7.5e9", "--devices", "64", "--replica", "8"]
+    assert estimate_main([*argv, "--quantize-weights", "int8", "--quantize-grads", "int4",
+                          "--hpz", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    s3 = stages[3]
+    assert s3["memory"]["secondary"] == psi * (1 + 4 / 256) / 8  # Ψ·(int8 + scale)/D, D = 8
+    assert s3["memory"]["params"] == psi * 2 / 64  # full ZeRO-3: over all 64 devices
+    assert s3["comm"] == zj.comm_estimate(psi, 64, 3, replica=8, hpz=True,
+                                          quantize_weights="int8",
+                                          quantize_grads="int4").as_dict()
+    assert "secondary" not in stages[2]["memory"] and "all_gather_scales" not in stages[0]["comm"]
+    assert estimate_main([*argv, "--quantize-grads", "int4"]) == 0
+    assert "of which scales" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        estimate_main(["--params", "1e9", "--devices", "8", "--hpz"])
+    assert e.value.code == 2 and "--hpz needs --replica R > 1" in capsys.readouterr().err

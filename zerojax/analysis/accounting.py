@@ -317,24 +317,34 @@ def format_bytes(n: float) -> str:
 def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[str, str]]:
     """Rows for stages 0..3: memory by kind, total, saving vs stage 0 and bytes sent per step.
 
-    `kwargs` are the byte sizes, `replica` and `offload` of `estimate` / `comm_estimate`.
+    `kwargs` are the byte sizes, `replica` and `offload` of `estimate` / `comm_estimate`, and
+    ZeRO++'s `quantize_weights` (stages 1-3), `quantize_grads` and `hpz` (stage 3 row).
     With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
     add the `host` bytes and the host<->device `transfer` per step; `total` is device bytes.
     """
     mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload")
     comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica")
-    unknown = set(kwargs) - set(mem_keys) - set(comm_keys)
+    zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
+    unknown = set(kwargs) - set(mem_keys) - set(comm_keys) - set(zeropp_keys)
     if unknown:
-        known = sorted({*mem_keys, *comm_keys})
+        known = sorted({*mem_keys, *comm_keys, *zeropp_keys})
         raise EstimateError(f"unknown options {sorted(unknown)}; use {known}")
     mem_kw = {k: v for k, v in kwargs.items() if k in mem_keys}
     comm_kw = {k: v for k, v in kwargs.items() if k in comm_keys}
+    qw, qg = kwargs.get("quantize_weights"), kwargs.get("quantize_grads")
+    hpz = kwargs.get("hpz", False)
+    _check_formats(qw, qg, QUANT_BLOCK)
     offload = mem_kw.pop("offload", None)
     base = estimate(num_params, devices, 0, **mem_kw).total
+    secondary = bytes_per_element(qw, QUANT_BLOCK) if qw else mem_kw.get("param_bytes", 2)
     rows = []
     for stage in STAGES:
-        m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None)
-        c = comm_estimate(num_params, devices, stage, **comm_kw)
+        # ZeRO++ where the stage has it: qwZ from stage 1 (stage 0 gathers no params), hpZ at 3.
+        zpp = {"quantize_weights": qw if stage else None, "quantize_grads": qg,
+               "hpz": bool(hpz) and stage == 3}
+        m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None,
+                     hpz=zpp["hpz"], secondary_bytes=secondary)
+        c = comm_estimate(num_params, devices, stage, **comm_kw, **zpp)
         saving = 1 - m.total / base if base else 0.0
         row = {
             "stage": str(stage) + (" + offload" if offload and stage else ""),
@@ -348,6 +358,10 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
         if offload:
             row["host"] = format_bytes(m.host)
             row["host<->device"] = format_bytes(m.transfer)
+        if hpz:
+            row["hpZ secondary"] = format_bytes(m.secondary)
+        if qw or qg:
+            row["of which scales"] = format_bytes(c.all_gather_scales + c.all_to_all_scales)
         rows.append(row)
     return rows
 

@@ -35,7 +35,8 @@ from zerojax.analysis.console import (
 )
 from zerojax.analysis.largest import largest_main
 from zerojax.analysis.planning import LR, named_optimizer, plan
-from zerojax.config import OFFLOADS
+from zerojax.collectives.quantize import bytes_per_element
+from zerojax.config import OFFLOADS, QUANT_BLOCK
 from zerojax.update.presets import OPTIMIZERS
 
 
@@ -59,8 +60,17 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
                         "the baseline); adds host and host<->device columns")
+    p.add_argument("--quantize-weights", choices=("int8",), default=None,
+                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
+    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
+                   help="ZeRO++ qgZ: quantized gradient reductions")
+    p.add_argument("--hpz", action="store_true",
+                   help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
+                        "sharded within each replica")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     a = p.parse_args(argv)
+    if a.hpz and a.replica < 2:
+        p.error("--hpz needs --replica R > 1: hpZ shards its secondary copy within a replica")
     psi = int(a.params) if a.params == int(a.params) else a.params
     k, source = _optimizer_bytes(p, a)
     mem_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
@@ -69,11 +79,17 @@ def estimate_main(argv: list[str]) -> int:
                    reduce_bytes=a.reduce_bytes, replica=a.replica)
     try:
         rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes,
-                              offload=a.offload)
+                              offload=a.offload, quantize_weights=a.quantize_weights,
+                              quantize_grads=a.quantize_grads, hpz=a.hpz)
+        qw = bytes_per_element(a.quantize_weights, QUANT_BLOCK) if a.quantize_weights else None
         out = [{"stage": s, "offload": a.offload if s else None,
                 "memory": estimate(psi, a.devices, s, **mem_kw,
-                                   offload=a.offload if s else None).as_dict(),
-                "comm": comm_estimate(psi, a.devices, s, **comm_kw).as_dict()} for s in STAGES]
+                                   offload=a.offload if s else None, hpz=a.hpz and s == 3,
+                                   secondary_bytes=qw).as_dict(),
+                "comm": comm_estimate(psi, a.devices, s, **comm_kw,
+                                      quantize_weights=a.quantize_weights if s else None,
+                                      quantize_grads=a.quantize_grads,
+                                      hpz=a.hpz and s == 3).as_dict()} for s in STAGES]
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if a.json:
