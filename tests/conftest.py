@@ -7,10 +7,22 @@ XLA's buffer figures compile with the default emitters (`helpers.DEFAULT_BUFFERS
 """
 
 import os
+import shutil
+import tempfile
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent compilation cache for the session, in a fresh directory: the two workers and
+# every subprocess they start (environment variables reach them all) compile each program once.
+# Many tests build the same engine on the same model; an executable loaded from the cache is
+# the one XLA compiled for the same HLO and options, so nothing a test checks changes.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax-tests-xla-")
+    os.environ["ZEROJAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -28,3 +40,10 @@ LONGEST_FIRST = ("test_train.py", "test_checkpoint.py", "test_bench.py", "test_a
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
+def pytest_unconfigure(config):
+    """The session that made the compilation cache removes it (workers share it)."""
+    own = os.environ.get("ZEROJAX_TESTS_OWN_CACHE")
+    if own and not hasattr(config, "workerinput"):
+        shutil.rmtree(own, ignore_errors=True)
