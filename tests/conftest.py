@@ -29,17 +29,24 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The longest files (~20-70 s each on 2 cores), longest first: `--dist loadfile` hands files
-# out in collection order, so the short ones come last and even out the two workers' finish.
-LONGEST_FIRST = ("test_train.py", "test_checkpoint.py", "test_bench.py", "test_adapters.py",
-                 "test_published.py", "test_parity.py", "test_zeropp.py", "test_engine.py",
-                 "test_compiled.py",
-                 "test_offload.py", "test_measure.py", "test_planning.py", "test_state.py")
+# The longest files of each tier (~20-120 s on 2 cores), longest first: `--dist loadfile`
+# hands files out in collection order, so the short ones come last and even out the two
+# workers' finish. Tiers: the README's command runs every test but the `slow` ones (end-to-end
+# runs, the rest of each sweep: `helpers.sweep`); CI also runs `pytest -m slow`.
+LONGEST_FIRST = ("test_adapters.py", "test_zeropp.py", "test_published.py", "test_planning.py",
+                 "test_train.py", "test_compiled.py", "test_engine.py", "test_offload.py",
+                 "test_measure.py", "test_checkpoint.py", "test_parity.py",
+                 "test_optimizers_sharded.py", "test_state.py", "test_models.py")
+SLOW_LONGEST_FIRST = ("test_train.py", "test_parity.py", "test_checkpoint.py", "test_bench.py",
+                      "test_engine.py", "test_adapters.py", "test_optimizers.py",
+                      "test_published.py", "test_offload.py", "test_compiled.py",
+                      "test_measure.py", "test_optimizers_sharded.py")
 
 
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+def pytest_collection_modifyitems(config, items):
+    order = SLOW_LONGEST_FIRST if config.option.markexpr == "slow" else LONGEST_FIRST
+    rank = {name: i for i, name in enumerate(order)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(order)))
 
 
 def pytest_unconfigure(config):

@@ -5,6 +5,7 @@ import functools
 import jax
 import numpy as np
 import optax
+import pytest
 
 from zerojax.models import GPT
 from zerojax.units import PlainUnits
@@ -122,3 +123,16 @@ def check_parity(engine, batch=GLOBAL_BATCH):
 
 VARIANTS = {"0": {"stage": 0}, "1": {"stage": 1}, "2": {"stage": 2}, "3": {"stage": 3},
             "3-prefetch": {"stage": 3, "prefetch": True}}
+
+
+# Tiers: the README's test command runs every test but the `slow` ones; CI also runs those
+# (`pytest -m slow`): end-to-end runs in subprocesses, and each sweep's points beyond its
+# representative ones.
+SLOW = pytest.mark.slow
+
+
+def sweep(values, quick):
+    """`values` for `pytest.mark.parametrize`, each one not in `quick` marked SLOW (a tuple is
+    one case of several arguments)."""
+    return [v if v in quick else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW)
+            for v in values]

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import RTOL, assert_tree_close
+from helpers import RTOL, assert_tree_close, sweep
 
 import zerojax as zj
 from zerojax.analysis.accounting import lower
@@ -208,7 +208,7 @@ def run(zm, stage):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
 def test_nnx_parity(stage):
     model, (ref_losses, ref_params) = nnx_setup()
     zm = zj.from_nnx(model, nnx_loss, units=(Block,))
@@ -247,7 +247,7 @@ def test_nnx_scan_parity():
     assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
 def test_linen_scan_parity(stage):
     module, (ref_losses, ref_params) = linen_setup()
     zm = zj.from_linen(module, linen_loss, BATCHES[0]["inputs"][:1], units=(ScanBlock,))
@@ -281,6 +281,7 @@ def stage3(zm, batch):
 L8 = 8
 
 
+@pytest.mark.slow
 def test_nnx_units_free_gathered_blocks():
     """Per-block units: each block gathered before its call and again in backward, never kept
     from forward to backward; the peak drops by most of the params' bytes."""
@@ -402,7 +403,7 @@ def load_example(name):
     return mod
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
 def test_linen_batchnorm_matches_global_batch(stage):
     """BatchNorm over the batch axes inside per-block units: params and running statistics
     as one device's BatchNorm over the global batch."""
@@ -433,7 +434,8 @@ def test_linen_batchnorm_matches_global_batch(stage):
 # --------------------------------------------------------------------------- the examples
 
 
-@pytest.mark.parametrize("name", ["nnx_transformer", "linen_scan_transformer"])
+@pytest.mark.parametrize("name", sweep(["nnx_transformer", "linen_scan_transformer"],
+                                        quick=["nnx_transformer"]))
 def test_transformer_examples_train_and_go_back_to_flax(name):
     out = load_example(name).main(["--steps", "6", "--layers", "1"])
     assert out["losses"][-1] < 0.8 * out["losses"][0]

@@ -41,6 +41,7 @@ def run(tmp_path_factory):
     return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.slow
 def test_every_variant_reports_positive_ratios(run):
     result, _ = run
     variants = result["variants"]
@@ -67,6 +68,7 @@ def test_every_variant_reports_positive_ratios(run):
     assert variants["gspmd_fsdp"]["ratio"] == 1.0
 
 
+@pytest.mark.slow
 def test_every_variant_trains_the_same_model(run):
     # Same init, batch and number of steps: final losses agree up to bf16/reduction order.
     # (The floor trains on one device's share of the batch.)
@@ -78,6 +80,7 @@ def test_every_variant_trains_the_same_model(run):
             assert v["loss"] == pytest.approx(ref, rel=1e-2), name
 
 
+@pytest.mark.slow
 def test_config_targets_and_table(run):
     result, stdout = run
     cfg = result["config"]
@@ -184,6 +187,7 @@ def _load_gpu_bench():
     return mod
 
 
+@pytest.mark.slow
 def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     # The GPU command on 2 simulated CPU devices: plain optax (GSPMD at N = 2) and stage 3,
     # without and with the overlap flags, and the largest-shape search over one tiny shape.

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import FAST_COMPILE
-from helpers import CLIP, adamw, assert_tree_close, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, assert_tree_close, gpt_batch, sweep, tiny_gpt
 
 import zerojax as zj
 from zerojax.app import sample, train
@@ -110,9 +110,11 @@ def ref(tmp_path_factory):
 # ---------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("stage, cfg", [(0, {}),
-                                        (1, {"param_dtype": "float16", "loss_scale_interval": 3}),
-                                        (2, {"param_dtype": "bfloat16"})])
+FP16 = {"param_dtype": "float16", "loss_scale_interval": 3}
+
+
+@pytest.mark.parametrize("stage, cfg", sweep([(0, {}), (1, FP16), (2, {"param_dtype": "bfloat16"})],
+                                             quick=[]))  # stage 3: below
 def test_resume_is_bitwise_exact(tmp_path, stage, cfg):
     """Save at 5, restore, run to 10 == the uninterrupted 10 steps (N = 3: every leaf padded)."""
     engine = make_engine(stage, 3, **cfg)

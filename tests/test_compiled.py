@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import DEFAULT_BUFFERS
+from helpers import DEFAULT_BUFFERS, sweep
 
 import zerojax as zj
 from zerojax.analysis.accounting import lower
@@ -98,7 +98,7 @@ def test_stages_1_2_refresh_the_compute_params_in_place():
     assert mem(x1)[0] < 2 * params  # stage 1: those and one full gradient
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", sweep([False, True], quick=[True]))
 def test_stage3_never_holds_a_stack_of_full_layer_weights(prefetch):
     engine, exe = compiled(3, prefetch=prefetch)
     hlo = exe.as_text()
@@ -139,7 +139,7 @@ def test_prefetch_costs_at_most_one_gathered_layer():
     assert mem(pre)[0] - mem(base)[0] <= 1.02 * layer_bytes(engine)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", sweep([2, 3], quick=[3]))
 def test_grad_accum_keeps_gradients_sharded(stage):
     """4 sequences of 128 per device and micro-batch; temp within 10 % of no accumulation."""
     engine, one = compiled(stage, micro=4 * N)
@@ -154,7 +154,7 @@ def test_grad_accum_keeps_gradients_sharded(stage):
     assert extra < 0.25 * full_grad_bytes(engine)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", sweep([2, 3], quick=[3]))
 def test_without_full_remat_layers_save_activations_not_gathered_weights(stage):
     """remat=False saves the matmul outputs and still recomputes the gathers in backward: a
     saved gathered layer per layer would undo ZeRO-2/3's saving. Sequence length 32 keeps

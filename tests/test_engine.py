@@ -21,25 +21,26 @@ from helpers import (
     gpt_batch,
     reference,
     reference_run,
+    sweep,
     tiny_gpt,
 )
 
 import zerojax as zj
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", sweep(VARIANTS, quick=["3-prefetch"]))
 def test_grad_accum_matches_one_big_batch(variant):
     cfg = zj.ZeroConfig(grad_accum=4, clip_norm=CLIP, **VARIANTS[variant])
     check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=2), cfg), batch=16)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", sweep(VARIANTS, quick=["3"]))
 def test_hybrid_mesh_2x4(variant):
     cfg = zj.ZeroConfig(clip_norm=CLIP, **VARIANTS[variant])
     check_parity(zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4, replica=2), cfg))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", sweep([2, 3], quick=[3]))
 def test_fp32_reduction_of_bf16_grads(stage):
     """reduce_dtype=float32 changes the reduction, not the result beyond bf16 noise."""
     model = tiny_gpt()
@@ -64,7 +65,8 @@ def _partitioned(params):
     return optax.multi_transform({"adam": adamw(), "sgd": optax.sgd(0.1, momentum=0.9)}, labels)
 
 
-@pytest.mark.parametrize("make_opt, stage, n", [(_masked, 1, 4), (_partitioned, 3, 3)])
+@pytest.mark.parametrize("make_opt, stage, n", sweep([(_masked, 1, 4), (_partitioned, 3, 3)],
+                                                        quick=[(_partitioned, 3, 3)]))
 def test_per_leaf_optimizers_on_shards(make_opt, stage, n):
     """Masks and partitions given as pytrees act on shards as on the unsharded params."""
     model = tiny_gpt()
@@ -92,7 +94,8 @@ def test_padding_exists_where_parity_is_checked():
     jax.tree.map(np.testing.assert_array_equal, layout.from_flat(flat), params)
 
 
-@pytest.mark.parametrize("stage", [1, 3])  # stages 0 and 2 evaluate as stage 1 does
+# stages 0 and 2 evaluate as stage 1 does
+@pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_evaluate_matches_the_plain_loss(stage):
     from zerojax.units import PlainUnits
 
@@ -132,7 +135,7 @@ def two_stacks_reference():
     return batches, *reference_run(TwoStacks(), adamw(), batches)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", sweep(VARIANTS, quick=["3"]))
 def test_stacks_of_different_depths(variant):
     """Units of several leaves and stacks of unequal depth (each gathered, reduce-scattered
     and refreshed as its own bucket) train as single-device optax does."""

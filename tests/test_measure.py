@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import sweep
 
 import zerojax as zj
 from zerojax.analysis.accounting import estimate, lower, measure, state_bytes, state_estimate
@@ -46,7 +47,7 @@ def measured():
 
 # --- state and traffic at N = 2, 4, 8 (lowering only: these checks need no compile) --------
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", sweep([2, 4, 8], quick=[8]))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_state_and_traffic_match_the_formulas(stage, n):
     e = engine(stage, n)
@@ -81,7 +82,8 @@ def tiny(stage, dtype, n=8, **kw):
     return zj.Engine(model, optax.adamw(3e-4), zj.make_mesh(data=n), cfg), batch
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", sweep(["float32", "bfloat16", "float16"],
+                                        quick=["bfloat16", "float16"]))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_live_state_is_the_formula_for_every_dtype(stage, dtype):
     """The arrays `init` allocates on each device, the shapes `state_bytes` reads and

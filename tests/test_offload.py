@@ -5,7 +5,16 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, assert_tree_close, check_parity, engine_run, gpt_batch, tiny_gpt
+from helpers import (
+    CLIP,
+    adamw,
+    assert_tree_close,
+    check_parity,
+    engine_run,
+    gpt_batch,
+    sweep,
+    tiny_gpt,
+)
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
@@ -38,8 +47,8 @@ def offload_pair(model, optimizer, mesh, batches, **cfg):
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("stage", sweep([1, 2, 3], quick=[3]))
+@pytest.mark.parametrize("n", sweep([1, 4], quick=[4]))
 def test_offload_gives_the_same_numbers(stage, n):
     model = tiny_gpt()
     batches = [gpt_batch(model.cfg, 8, s) for s in range(20)]
@@ -88,7 +97,7 @@ def test_update_is_compiled_for_the_host():
     assert 'mhlo.memory_kind = "pinned_host"' in text
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
     # SeedMLP's gradients overflow fp16 at a scale of 2**17: the first steps are skipped and
     # must leave the host's master and moments untouched, exactly as on the device.

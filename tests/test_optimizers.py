@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import optimizer_table as table
 import pytest
+from helpers import sweep
 
 
 @pytest.mark.parametrize("bundle", range(len(table.BUNDLES)))
-@pytest.mark.parametrize("config", ["stage1-n3", "stage2-n4"])
+@pytest.mark.parametrize("config", sweep(["stage1-n3", "stage2-n4"], quick=[]))  # quick: stage 3
 def test_optimizer_table_matches_single_device_optax(bundle, config):
     losses, params, _ = table.run(bundle, config)
     table.assert_matches(bundle, losses, params)

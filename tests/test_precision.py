@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, engine_run, reference, tiny_gpt
+from helpers import CLIP, adamw, engine_run, reference, sweep, tiny_gpt
 
 import zerojax as zj
 from zerojax.models import SeedMLP
@@ -19,7 +19,7 @@ def seed_engine(stage, **cfg):
                      zj.ZeroConfig(stage=stage, param_dtype="float16", **cfg))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[1, 3]))
 def test_overflowing_steps_are_skipped_then_training_resumes(stage):
     # The seed's gradients reach 11; times 2**17 that overflows fp16 (max 65504) until the
     # scale has halved down to 2**12.
@@ -53,7 +53,7 @@ def test_scale_grows_after_the_interval():
     assert scales == [4.0, 8.0, 8.0, 16.0, 16.0]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_bfloat16_training_tracks_fp32_reference(stage):
     model = tiny_gpt()
     batches, (ref_losses, _), _ = reference(8, steps=10)

@@ -16,7 +16,7 @@ import optax
 import published_models as pm
 import pytest
 from flax import nnx
-from helpers import RTOL, assert_tree_close
+from helpers import RTOL, assert_tree_close, sweep
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -262,7 +262,7 @@ def check_parity(name, engine, state, losses):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_with_single_device_optax(name, stage):
     check_parity(name, *trained(name, stage))
@@ -311,7 +311,8 @@ def same_rows(batch):
     return {k: np.tile(v[: B // N], (N,) + (1,) * (v.ndim - 1)) for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("name, accum", [("boxed", 1), ("config_lm", 1), ("nnx", 2)])
+@pytest.mark.parametrize("name, accum", sweep([("boxed", 1), ("config_lm", 1), ("nnx", 2)],
+                                              quick=[("nnx", 2)]))
 def test_dropout_masks_per_step_and_device_and_resume(name, accum, tmp_path):
     """lr 0 and the same rows on every device: only the masks make the losses differ, per
     step and per device; restored from a checkpoint the run draws the same masks again.

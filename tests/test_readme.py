@@ -17,10 +17,11 @@ def bash_blocks(text: str) -> list[str]:
 def test_ci_runs_the_readme_commands():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    setup, tests = bash_blocks(readme)[:2]
+    setup, tests, slow = bash_blocks(readme)[:3]
     install = setup.split(" && .venv/bin/python -m zerojax")[0]
     assert install in ci, f"CI does not install as the README says: {install!r}"
     assert tests in ci, f"CI does not run the README's test command: {tests!r}"
+    assert slow == f"{tests} -m slow" and slow in ci, f"CI does not run the slow tier: {slow!r}"
     assert "python -m zerojax train" in setup  # the first command runs the main job
 
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import gpt_batch, tiny_gpt
+from helpers import gpt_batch, sweep, tiny_gpt
 
 import zerojax as zj
 
@@ -54,7 +54,7 @@ def device_bytes(tree, device) -> int:
                if s.device == device)
 
 
-@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("n", sweep([2, 8], quick=[8]))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_live_state_bytes_match_zero_formulas(stage, n):
     """bf16 params, fp32 master + Adam moments; gradients live only inside the step."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import RTOL, assert_tree_close
+from helpers import RTOL, assert_tree_close, sweep
 from jax import lax
 
 import zerojax as zj
@@ -245,7 +245,8 @@ def norm_reference():
     return params, ms
 
 
-@pytest.mark.parametrize("stage, replica", [(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("stage, replica", sweep([(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)],
+                                                  quick=[(1, 1), (3, 2)]))
 def test_global_batch_statistics_match_one_device(stage, replica):
     mesh = zj.make_mesh(data=4 // replica, replica=replica)
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), opt(), mesh, zj.ZeroConfig(stage=stage))
@@ -339,7 +340,7 @@ class Unused:
         return jnp.mean(jnp.square(batch["x"] @ w - batch["y"]))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[0, 3]))
 def test_unused_param_gets_zero_gradient_and_one_warning(stage):
     eng = engine(Unused(), n=2, stage=stage, optimizer=optax.sgd(0.1))
     with pytest.warns(UserWarning, match=r"never gathers parameter\(s\) \['spare'\]"):

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE
+from helpers import sweep
 
 from zerojax.app import options, peers, resume, sample, train
 from zerojax.app.data import embedded_corpus
@@ -227,6 +228,7 @@ def test_sample_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     assert message in err
 
 
+@pytest.mark.slow
 def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, monkeypatch):
     from test_measure import engine_offloads
 
@@ -280,7 +282,7 @@ def test_resume_takes_the_saved_optimizer_and_refuses_another():
                             "(or with --optimizer adamw), or start a new run in another --out")
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZER_RUNS))
+@pytest.mark.parametrize("name", sweep(OPTIMIZER_RUNS, quick=["muon"]))
 def test_each_optimizer_trains_and_the_table_names_its_state(name, tmp_path, tokens64, capsys,
                                                              monkeypatch):
     from test_measure import engine_offloads
