@@ -125,14 +125,9 @@ VARIANTS = {"0": {"stage": 0}, "1": {"stage": 1}, "2": {"stage": 2}, "3": {"stag
             "3-prefetch": {"stage": 3, "prefetch": True}}
 
 
-# Tiers: the README's test command runs every test but the `slow` ones; CI also runs those
-# (`pytest -m slow`): end-to-end runs in subprocesses, and each sweep's points beyond its
-# representative ones.
-SLOW = pytest.mark.slow
-
-
 def sweep(values, quick):
-    """`values` for `pytest.mark.parametrize`, each one not in `quick` marked SLOW (a tuple is
-    one case of several arguments)."""
-    return [v if v in quick else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW)
+    """`values` for `pytest.mark.parametrize`, each one not in `quick` marked `slow` (run by
+    CI's second tier, see conftest.py); a tuple is one case of several arguments."""
+    return [v if v in quick else pytest.param(*(v if isinstance(v, tuple) else (v,)),
+                                              marks=pytest.mark.slow)
             for v in values]
