@@ -675,7 +675,9 @@ def test_linen_dropout_inside_a_directly_called_unit():
     assert len({loss for loss, _ in runs}) == 3, runs  # lr 0: only the masks change
     assert all(sq - loss * loss > 1e-6 for loss, sq in runs), runs  # devices differ
     want = loss_fn(PlainApply(DirectDrop(), engine.params(state)), rows)[0]
-    assert float(engine.evaluate(state, rows)["loss"]) == pytest.approx(float(want), rel=1e-6)
+    # Two float32 programs: against the float64 value, evaluate is 3.9e-7 off and the plain
+    # apply 1.0e-6 (jax 0.10.2 on CPU), as (out - 1)² with out ≈ 0.35 magnifies rounding.
+    assert float(engine.evaluate(state, rows)["loss"]) == pytest.approx(float(want), rel=4e-6)
 
 
 class PlainApply:
