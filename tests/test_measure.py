@@ -127,6 +127,8 @@ def test_measurement_fields(measured):
         for kind in ("all_gather", "reduce_scatter"):
             assert compiled[kind] == 2 * sent[kind]
         assert compiled["total"] == pytest.approx(2 * sent["total"], rel=1e-5)
+        # One flat data axis: every byte goes over it.
+        assert m.collective_axis_bytes == {"data": pytest.approx(sent["total"])}
         mem, comm = m.estimates()
         assert m.state["total"] == pytest.approx(mem.total - mem.grads, rel=0.02)
         assert sent["total"] == pytest.approx(comm.total, rel=0.05)

@@ -10,7 +10,15 @@ import pytest
 import zerojax as zj
 from zerojax.analysis.commands import estimate_main, measure_main, plan_main
 from zerojax.analysis.console import parse_bytes
-from zerojax.analysis.planning import Candidate, PlanResult, named_optimizer, plan
+from zerojax.analysis.planning import (
+    Candidate,
+    PlanResult,
+    _zeropp,
+    link_seconds,
+    named_optimizer,
+    on_links,
+    plan,
+)
 from zerojax.models import GPT
 
 MB = 1e6
@@ -144,6 +152,18 @@ def test_estimate_table(capsys):
      "--offload optimizer needs stages 1-3; drop stage 0"),
     (estimate_main, ["--params", "1e9", "--devices", "8", "--offload", "params"],
      "invalid choice: 'params'"),
+    *[(plan_main, ["--model", "test", "--devices", "8", "--memory", "1GB", *more], message)
+      for more, message in [
+          (["--replica", "2"], "--replica 2 weighs the link between replicas"),
+          (["--quantize", "int8"], "--quantize int8 needs --bandwidth"),
+          (["--bandwidth", "replica=25GB/s,data=1TB/s"], "names a replica link but --replica"),
+          (["--bandwidth", "nvlink=400GB/s"], "'nvlink' is not a mesh axis"),
+          (["--bandwidth", "0GB/s"], "'0GB/s' must be more than 0 bytes per second"),
+          (["--bandwidth", "fast"], "'fast' is not a size"),
+          (["--replica", "3", "--bandwidth", "25GB/s"], "do not split into --replica 3 groups"),
+          (["--replica", "2", "--bandwidth", "data=400GB/s"],
+           "with --replica 2 name data and replica"),
+          (["--largest", "--bandwidth", "25GB/s"], "--largest compiles nothing")]],
 ])
 def test_bad_options_exit_2_with_one_line(main, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -569,3 +589,169 @@ def test_plan_largest_json_succeeds_when_only_offload_fits(capsys):
     assert plan_main([*argv, "--offload", "off"]) == 1  # then nothing fits
     assert plan_main(argv[:-1]) == 0  # the table says the same
     assert "gpt2-small" in capsys.readouterr().out
+
+
+# --- --bandwidth: the least time on the links, and ZeRO++ ------------------------------------
+
+LINKS = {"data": 400e9, "replica": 25e9}  # e.g. NVLink within a node, 200 Gb/s between nodes
+
+
+def test_link_seconds_weigh_each_axis_and_what_spans_both_goes_at_the_slower_link():
+    found = {"data": 4e6, "replica": 1e6, "all": 2e6}
+    assert link_seconds(found, LINKS) == pytest.approx(4e6 / 400e9 + 1e6 / 25e9 + 2e6 / 25e9)
+    assert link_seconds({"data": 4e6}, {"data": 1e9}) == pytest.approx(4e-3)
+    # A flat mesh on a machine of two groups sends every byte across them.
+    assert on_links({"data": 3e6}, 1, 2) == {"all": 3e6}
+    assert on_links({"data": 3e6}, 1, 1) == {"data": 3e6}
+    assert on_links({"data": 2e6, "replica": 1e6}, 2, 2) == {"data": 2e6, "replica": 1e6}
+
+
+def test_zeropp_variants_keep_the_base_and_try_exact_hpz_first():
+    def names(cands):
+        return [c.zeropp() for c in cands]
+
+    full = "qwZ int8 + qgZ int4"
+    assert names(_zeropp(Candidate(3, True, 1, replica=2), "int4")) == ["hpZ", full,
+                                                                         f"{full} + hpZ"]
+    assert names(_zeropp(Candidate(3, True, 1), "int4")) == [full]
+    assert names(_zeropp(Candidate(3, True, 1, replica=2), None)) == ["hpZ"]  # exact only
+    assert names(_zeropp(Candidate(3, True, 1), None)) == []
+    assert names(_zeropp(Candidate(0, False, 2), "int8")) == ["qgZ int8"]  # no params gathered
+    assert names(_zeropp(Candidate(2, True, 1), "int4", alone=True)) == ["qwZ int8", "qgZ int4"]
+    assert names(_zeropp(Candidate(0, True, 1), "int4", alone=True)) == []
+    v = _zeropp(Candidate(2, False, 4, offload="optimizer", replica=2), "int4")[0]
+    assert (v.stage, v.remat, v.grad_accum, v.offload, v.replica) == (2, False, 4, "optimizer", 2)
+
+
+def linked_candidates():
+    """The test GPT's stage-3 candidates at N = 8 on 2 groups of 4 as `plan` measured them."""
+    kw = dict(stage=3, remat=True, grad_accum=1)
+    q = dict(quantize_weights="int8", quantize_grads="int4")
+    return {
+        "flat": Candidate(**kw, peak_bytes=140_452, comm_bytes=106_078, launches=12,
+                          axis_bytes={"all": 106_078}),
+        "hybrid": Candidate(**kw, replica=2, peak_bytes=187_876, comm_bytes=101_805,
+                            launches=29, axis_bytes={"data": 90_918, "replica": 10_880,
+                                                     "all": 7}),
+        "hpz": Candidate(**kw, replica=2, hpz=True, peak_bytes=159_052, comm_bytes=101_806,
+                         launches=19, axis_bytes={"data": 90_912, "replica": 10_880,
+                                                  "all": 14}),
+        "flat q": Candidate(**kw, **q, peak_bytes=383_012, comm_bytes=45_990, launches=22,
+                            axis_bytes={"all": 45_990}),
+        "hpz q": Candidate(**kw, **q, replica=2, hpz=True, peak_bytes=350_932,
+                           comm_bytes=43_750, launches=36,
+                           axis_bytes={"data": 39_408, "replica": 4_328, "all": 14}),
+    }
+
+
+def choose(cands, memory=1e9, bandwidth=LINKS):
+    """`cands` chosen among on 8 devices in 2 groups; bandwidth None: by bytes."""
+    result = PlanResult(8, int(memory), list(cands), param_dtype="bfloat16", replica=2)
+    return result.refit(bandwidth=bandwidth) if bandwidth else result.refit()
+
+
+def test_a_slow_link_between_groups_chooses_hpz_and_quantization():
+    c = linked_candidates()
+    r = choose(c.values())
+    assert r.best.zeropp() == "qwZ int8 + qgZ int4 + hpZ" and r.best.replica == 2
+    for cand in r.candidates:
+        assert cand.comm_seconds == pytest.approx(link_seconds(cand.axis_bytes, LINKS))
+    assert r.candidates[0].reason == "fits; 4.24 us on the links vs 0.272 us"
+    assert r.config() == zj.ZeroConfig(stage=3, param_dtype="bfloat16", quantize_weights="int8",
+                                       quantize_grads="int4", hpz=True)
+    assert dict(r.mesh().shape) == {"replica": 2, "data": 4}
+    assert r.notes()[0].startswith("time/step: the bytes each device sends over each mesh axis")
+    assert "sends quantized values" in r.notes()[1]
+    assert r.as_dict()["bandwidth"] == LINKS and r.as_dict()["replica"] == 2
+    # Where the quantized ones do not fit: hpZ ties the hybrid mesh's time (the same bytes
+    # cross the slow link) and wins on fewer launches and less memory; exact, so no note.
+    tight = choose(c.values(), memory=200_000)
+    assert tight.candidates[2].chosen and tight.best.zeropp() == "hpZ"
+    assert tight.candidates[1].reason.startswith("fits; same traffic")
+    assert [x.fits for x in tight.candidates] == [True, True, True, False, False]
+    assert not any("quantized" in note for note in tight.notes())
+    assert tight.mesh().shape == r.mesh().shape
+    flat = choose(c.values(), memory=150_000)
+    assert flat.best.replica == 1 and not flat.best.zeropp() and flat.mesh().shape == {"data": 8}
+
+
+def test_time_and_bytes_disagree_where_the_fewer_bytes_cross_the_slow_link():
+    c = linked_candidates()
+    both = [c["flat q"], c["hybrid"]]  # refit chooses among copies: compare by position
+    assert choose(both, bandwidth=None).candidates[0].chosen  # 46.0 KB < 102 KB
+    assert choose(both).candidates[1].chosen  # 0.663 us < 1.84 us: flat q sends all across
+    assert choose(both, bandwidth={"data": 25e9, "replica": 25e9}).candidates[0].chosen
+
+
+def test_exact_beats_quantized_within_one_percent():
+    exact = Candidate(3, True, 1, replica=2, hpz=True, peak_bytes=1, launches=9,
+                      comm_bytes=1e6, axis_bytes={"data": 1e6})
+    quant = Candidate(3, True, 1, replica=2, quantize_grads="int4", peak_bytes=1, launches=9,
+                      comm_bytes=0.995e6, axis_bytes={"data": 0.995e6})
+    r = choose([quant, exact])
+    assert r.candidates[1].chosen and not r.best.quantized
+    assert r.candidates[0].reason == ("fits; same traffic, but more recompute, collectives or "
+                                      "memory, or quantized")
+    quant.axis_bytes = {"data": 0.98e6}
+    assert choose([quant, exact]).best.quantized
+
+
+@pytest.mark.slow
+def test_plan_command_with_bandwidth_searches_zeropp_and_says_why(capsys, keep_xla_flags):
+    argv = ["--model", "test", "--devices", "8", "--memory", "1GB", "--stages", "3",
+            "--remat", "on", "--grad-accum", "1", "--replica", "2", "--bandwidth",
+            "data=400GB/s,replica=25GB/s"]
+    assert plan_main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["bandwidth"] == LINKS and out["replica"] == 2
+    cands = out["candidates"]
+    assert [(c["replica"], Candidate(**c).zeropp()) for c in cands] == [
+        (1, ""), (2, ""), (1, "qwZ int8 + qgZ int4"), (2, "hpZ"), (2, "qwZ int8 + qgZ int4"),
+        (2, "qwZ int8 + qgZ int4 + hpZ")]
+    assert all(c["fits"] for c in cands) and [c["chosen"] for c in cands].index(True) == 5
+    for c in cands:
+        assert sum(c["axis_bytes"].values()) == pytest.approx(c["comm_bytes"])
+        assert c["comm_seconds"] == pytest.approx(link_seconds(c["axis_bytes"], LINKS))
+    assert set(cands[0]["axis_bytes"]) == {"all"}  # the flat mesh crosses the slow link
+    # hpZ keeps ZeRO-3's state over all 8 devices; the 2 x 4 mesh without it, over 4.
+    assert cands[3]["state_bytes"] == cands[0]["state_bytes"] < cands[1]["state_bytes"]
+    assert "searched 2 candidates + 4 ZeRO++ variants of the best that fit" in captured.err
+    assert "stage 3, remat on, accum 1 on 2x4 + qwZ int8 + qgZ int4 + hpZ: lowering 6/6" \
+        in captured.err
+    facts = out["assumptions"]
+    assert facts["links"] == "data 400 GB/s, replica 25.0 GB/s; 2 groups of 4 devices"
+    assert facts["searched"].startswith("stages 3 x remat on x grad_accum 1 x mesh 8/2x4 = 2")
+    # Exact options only: the same programs (from the compilation cache), hpZ chosen.
+    assert plan_main([*argv, "--quantize", "off"]) == 0
+    captured = capsys.readouterr()
+    assert "searched 2 candidates + 1 ZeRO++ variants" in captured.err
+    assert ("chosen: stage 3 + hpZ, remat on, grad_accum 1 on make_mesh(replica=2, data=4)"
+            in captured.out)
+    assert "time/step" in captured.out and "sends quantized" not in captured.out
+
+
+@pytest.mark.slow
+def test_plan_with_bandwidth_tries_zeropp_on_offloaded_candidates_too():
+    from test_measure import engine_offloads
+
+    model = GPT.from_preset("test")
+    b = {k: jax.ShapeDtypeStruct((8, model.cfg.seq_len), jnp.int32)
+         for k in ("inputs", "targets")}
+    kw = dict(stages=(3,), remat=(True,), grad_accum=(1,), bandwidth=25e9)
+    (plain,) = plan(model, 8, 1e12, b, **kw, quantize=None).candidates
+    tight = plan(model, 8, plain.peak_bytes - 1, b, **kw)
+    assert tight.offload_searched and tight.bandwidth == {"data": 25e9}
+    if not engine_offloads():
+        assert tight.best is None and len(tight.candidates) == 2
+        return
+    offloaded = tight.candidates[1:]
+    assert all(c.offload == "optimizer" for c in offloaded)
+    names = [c.zeropp() for c in offloaded]
+    assert names[:2] == ["", "qwZ int8 + qgZ int4"]
+    # qwZ and qgZ alone are tried exactly when both together do not fit.
+    assert (names[2:] == ["qwZ int8", "qgZ int4"]) == (not offloaded[1].fits)
+    best = tight.best
+    assert best.offload == "optimizer" and best.peak_bytes <= plain.peak_bytes - 1
+    assert best.comm_seconds == min(c.comm_seconds for c in offloaded if c.fits)
+    assert tight.config().offload == "optimizer"

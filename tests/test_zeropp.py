@@ -429,6 +429,30 @@ def test_hpz_backward_gathers_stay_within_data_and_memory_is_zero3_plus_the_seco
     assert est.total == pytest.approx(state_estimate(psi, 8, 3, "bfloat16").total + secondary)
 
 
+def test_plan_reads_hpz_bytes_by_mesh_axis_and_weighs_them_by_link():
+    """What `plan --bandwidth` reads from a program: each axis's bytes. hpZ sends across
+    replicas only the secondary gather and the gradients' second hop, Ψ/4 each in bf16."""
+    from zerojax.analysis.hlo import axis_bytes
+    from zerojax.analysis.planning import link_seconds, on_links
+
+    engine, hpz_sites, hpz = _small8(hpz=True)
+    _, flat_sites, flat = _small8()
+    psi = engine.plan.model.num_params()
+    by_axis = axis_bytes(hpz_sites, 2, 4)
+    assert sum(by_axis.values()) == pytest.approx(sum(hpz.values()))
+    assert by_axis["replica"] == pytest.approx(psi / 2, rel=0.01)
+    # Within groups: the forward and rematerialized backward gathers and the first gradient
+    # hop, 3/4 of 2Ψ bytes each (less the once-gathered embedding and head).
+    assert by_axis["data"] == pytest.approx(4.5 * psi, rel=0.03)
+    assert by_axis.get("all", 0) < 100  # scalars: the loss and the norms
+    flat_axis = axis_bytes(flat_sites, 1, 8)
+    assert flat_axis == {"data": pytest.approx(sum(flat.values()))}
+    links = {"data": 400e9, "replica": 25e9}
+    across = link_seconds(on_links(flat_axis, 1, 2), links)  # every byte at 25 GB/s
+    assert across == pytest.approx(sum(flat.values()) / 25e9)
+    assert link_seconds(by_axis, links) < 0.2 * across
+
+
 def test_comm_estimate_gives_the_hlo_bytes():
     """The analytic bytes of qwZ + qgZ int4 (values + scales) against the lowered program's:
     stage 3 gathers the untied embedding and head once, not twice (5% of small8's params:

@@ -14,7 +14,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.analysis.hlo import collective_bytes, collective_dtypes, collectives
+from zerojax.analysis.hlo import (
+    axis_bytes,
+    collective_bytes,
+    collective_dtypes,
+    collective_sites,
+    collectives,
+)
 from zerojax.collectives.quantize import FORMATS, SCALE_BYTES, bytes_per_element
 from zerojax.config import OFFLOADS, QUANT_BLOCK
 from zerojax.mesh import batch_sharding
@@ -420,6 +426,9 @@ class Measurement:
     quant_block: int = QUANT_BLOCK
     hpz: bool = False
     collective_dtype_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # The requested bytes by the mesh axes a collective spans ("data", "replica", "all"):
+    # what `plan` weighs by each link's bandwidth.
+    collective_axis_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
         """The analytic `state_estimate` (with the engine's optimizer state) and
@@ -517,6 +526,8 @@ def measure_lowered(engine, lowered) -> Measurement:
         quant_block=cfg.quant_block,
         hpz=cfg.hpz,
         collective_dtype_bytes=collective_dtypes(text, n_all),
+        collective_axis_bytes=axis_bytes(collective_sites(text, n_all)[0], engine.replica,
+                                         engine.data),
     )
 
 

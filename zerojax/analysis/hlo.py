@@ -99,6 +99,17 @@ def mesh_axis(groups: list[list[int]], replica: int, data: int) -> str:
     return "other"
 
 
+def axis_bytes(sites: list[dict], replica: int, data: int) -> dict[str, float]:
+    """Bytes one device sends per step, by the mesh axes its collectives span (`mesh_axis`:
+    "data", "replica", "all", "other"; groups of one device send nothing)."""
+    out: dict[str, float] = {}
+    for site in sites:
+        axis = mesh_axis(site["groups"], replica, data)
+        if axis != "none":
+            out[axis] = out.get(axis, 0.0) + site["sent"]
+    return out
+
+
 def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
     """Computations of an HLO module: name -> [(opcode, type, attributes)], and the entry."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
