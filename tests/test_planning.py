@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax as zj
-from zerojax.analysis.commands import estimate_main, measure_main, plan_main
+from zerojax.analysis.commands import estimate_main, measure_main
 from zerojax.analysis.console import parse_bytes
+from zerojax.analysis.plan_command import plan_main
 from zerojax.analysis.planning import (
     Candidate,
     PlanResult,

@@ -1,6 +1,7 @@
 """The planner: the configuration with the least communication that fits, over stage × remat ×
-grad_accum (and optimizer offload, searched only when nothing fits without it), each candidate
-measured from its compiled step (`largest`: largest.py; the commands: commands.py)."""
+grad_accum (and optimizer offload, searched only when nothing fits without it; given link
+bandwidths, the least time on the links, over meshes and ZeRO++ options too), each candidate
+measured from its compiled step (`largest`: largest.py; the command: plan_command.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ COMMANDS = {
     "estimate": ("zerojax.analysis.commands", "estimate_main", "ZeRO paper memory/comm per device"),
     "measure": ("zerojax.analysis.commands", "measure_main",
                 "memory/comm measured from compiled steps"),
-    "plan": ("zerojax.analysis.commands", "plan_main", "the cheapest configuration that fits"),
+    "plan": ("zerojax.analysis.plan_command", "plan_main", "the cheapest configuration that fits"),
     "export": ("zerojax.checkpoint.export", "export_main",
                "consolidated fp32 params from a checkpoint"),
 }
