@@ -153,6 +153,10 @@ def test_estimate_table(capsys):
      "--offload optimizer needs stages 1-3; drop stage 0"),
     (estimate_main, ["--params", "1e9", "--devices", "8", "--offload", "params"],
      "invalid choice: 'params'"),
+    (measure_main, ["--model", "test", "--devices", "8", "--stage", "3", "--hpz"],
+     "--hpz needs --stage 3 and --replica R > 1 (got --stage 3, --replica 1)"),
+    (measure_main, ["--model", "test", "--devices", "8", "--replica", "3"],
+     "do not split into --replica 3 groups"),
     *[(plan_main, ["--model", "test", "--devices", "8", "--memory", "1GB", *more], message)
       for more, message in [
           (["--replica", "2"], "--replica 2 weighs the link between replicas"),

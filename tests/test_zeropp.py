@@ -530,6 +530,34 @@ def test_measure_command_reads_the_quantized_bytes_from_the_hlo(capsys, monkeypa
     assert e.value.code == 2 and "needs stages 1-3" in capsys.readouterr().err
 
 
+def test_measure_command_splits_the_bytes_by_link_on_a_hybrid_mesh(capsys, monkeypatch):
+    """`zerojax measure --replica 2 --hpz`: across replicas only the secondary gather and the
+    gradients' second hop (Ψ/4 bytes each in bf16), state as plain stage 3 over all 8."""
+    import json
+    import os
+
+    from zerojax.analysis.commands import measure_main
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the command sets it
+    argv = ["--model", "test", "--devices", "8", "--stage", "3", "--replica", "2", "--hpz"]
+    assert measure_main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (m,) = out["measurements"]
+    assert (m["replica"], m["devices"], m["hpz"]) == (2, 4, True)
+    assert "hpZ, mesh replica 2 x data 4" in out["assumptions"]["measured"]
+    by_axis, psi = m["collective_axis_bytes"], m["num_params"]
+    assert sum(by_axis.values()) == pytest.approx(m["collective_bytes"]["total"])
+    assert by_axis["replica"] == pytest.approx(psi / 2, rel=0.01)
+    mem = m["estimate"]["memory"]
+    assert mem["secondary"] == 2 * psi / 4
+    assert m["state"]["total"] == pytest.approx(mem["total"] - mem["grads"] - mem["secondary"],
+                                                abs=64)
+    assert measure_main(argv) == 0
+    table = " ".join(capsys.readouterr().out.split())  # the title wraps at the table's width
+    assert "┃ over data ┃ over replica ┃ over all ┃" in table
+    assert "so does hpZ's secondary copy" in table
+
+
 def test_estimate_command_takes_the_zeropp_options(capsys):
     import json
 

@@ -225,13 +225,25 @@ def measure_main(argv: list[str]) -> int:
                    help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
     p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
                    help="ZeRO++ qgZ: quantized gradient reductions")
+    p.add_argument("--replica", type=positive_arg, default=1,
+                   help="the make_mesh(replica=R, data=devices/R) mesh; the table splits the "
+                        "bytes sent over data and over replica")
+    p.add_argument("--hpz", action="store_true",
+                   help="ZeRO++ hpZ (stage 3, --replica > 1): backward gathers within data")
     a = p.parse_args(argv)
+    if a.devices % a.replica:
+        p.error(f"--devices {a.devices} do not split into --replica {a.replica} groups; give "
+                f"a --replica that divides --devices")
+    if a.hpz and (a.stage != (3,) or a.replica < 2):
+        p.error(f"--hpz needs --stage 3 and --replica R > 1 (got --stage "
+                f"{','.join(map(str, a.stage))}, --replica {a.replica})")
     if a.offload and 0 in a.stage:
         p.error(f"--offload {a.offload} needs stages 1-3; drop stage 0 (e.g. --stage 1,2,3)")
     if a.quantize_weights and 0 in a.stage:
         p.error(f"--quantize-weights {a.quantize_weights} needs stages 1-3 (stage 0 gathers no "
                 f"params); drop stage 0 (e.g. --stage 1,2,3)")
-    quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads}
+    quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads,
+             "hpz": a.hpz}
     _start_devices(p, a.devices)
     from zerojax.analysis.accounting import lower, measure_lowered
     from zerojax.config import ZeroConfig
@@ -243,7 +255,10 @@ def measure_main(argv: list[str]) -> int:
     facts = _assumptions(a, model, batch, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
         f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")
-        + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items() if v)))
+        + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items()
+                  if v and k != "hpz") + (", hpZ" if a.hpz else "")
+        + (f", mesh replica {a.replica} x data {a.devices // a.replica}" if a.replica > 1
+           else "")))
     print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
     results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
@@ -251,7 +266,8 @@ def measure_main(argv: list[str]) -> int:
                          grad_accum=a.grad_accum, offload=a.offload, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
-            engine = Engine(model, named_optimizer(a.optimizer), make_mesh(data=a.devices), cfg)
+            mesh = make_mesh(replica=a.replica, data=a.devices // a.replica)
+            engine = Engine(model, named_optimizer(a.optimizer), mesh, cfg)
             progress(label, "lowering", i)
             lowered = lower(engine, batch)
             progress(label, "compiling", i)
@@ -275,7 +291,7 @@ def measure_main(argv: list[str]) -> int:
     for m in results:
         mem, comm = m.estimates()
         row = {"stage": m.stage, "state": format_bytes(m.state["total"]),
-               "state formula": format_bytes(mem.total - mem.grads + mem.host),
+               "state formula": format_bytes(mem.state + mem.host),
                "master+opt": format_bytes(m.state["master"] + m.state["optimizer"]),
                "master+opt formula": format_bytes(mem.optimizer + mem.host),
                "temp": format_bytes(m.temp_bytes), "peak": format_bytes(m.peak_bytes),
@@ -291,13 +307,17 @@ def measure_main(argv: list[str]) -> int:
             row["of which scales"] = format_bytes(sum(
                 by.get("f32", 0.0) for kind, by in m.collective_dtype_bytes.items()
                 if kind in ("all_gather", "all_to_all")))
+        if a.replica > 1:  # what each link carries (across both: a collective over all)
+            row.update({f"over {axis}": format_bytes(m.collective_axis_bytes.get(axis, 0.0))
+                        for axis in ("data", "replica", "all")})
         if a.memory:
             row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
         rows.append(row)
     n = results[0].num_params if results else 0
     print_table(f"{a.model} ({n:,} params), {a.devices} devices, {a.optimizer}, per device; "
                 f"master+opt: the fp32 master and the optimizer state; state formula "
-                 f"excludes grads (they live in temp); sent: bytes per step in "
+                 f"excludes grads (they live in temp; so does hpZ's secondary copy); sent: "
+                 f"bytes per step in "
                  f"{a.param_dtype}"
                  + (" (quantized collectives: their integer values + float32 scales)"
                     if a.quantize_weights or a.quantize_grads else "")

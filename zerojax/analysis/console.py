@@ -79,8 +79,8 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         table.add_column(key, justify="left" if key in ("reason", "config") else "right")
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
-    # Piped output is not wrapped at 80 columns.
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    # Piped output keeps a row on one line (a terminal's width wraps it).
+    Console(width=None if sys.stdout.isatty() else 1_000).print(table)
 
 
 def print_assumptions(title: str, facts: dict[str, str]) -> None:
