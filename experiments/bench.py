@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.analysis.accounting import peaks
+from zerojax.analysis.measurement import peaks
 from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
 from zerojax.app.report import state_bytes_per_device
 from zerojax.mesh import DATA, put_batch
@@ -348,7 +348,7 @@ def memory_stats(compiled, host_state: int = 0) -> dict:
     """Per-device bytes XLA assigned to the compiled step; peak = argument + output - alias +
     temp (the donated state counted once); `device_peak_bytes` leaves out what is in host
     memory (`host_state`: the state's host bytes), measured or derived as `split` says
-    (accounting.peaks). Empty where the backend reports nothing."""
+    (measurement.peaks). Empty where the backend reports nothing."""
     mem = compiled.memory_analysis()
     if mem is None:
         return {}

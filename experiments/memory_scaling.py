@@ -26,7 +26,7 @@ def run(preset: str, ns: list[int], param_dtype: str) -> list[dict]:
     import optax
 
     import zerojax as zj
-    from zerojax.analysis.accounting import measure
+    from zerojax.analysis.measurement import measure
     from zerojax.models.gpt import GPT
 
     model = GPT.from_preset(preset)

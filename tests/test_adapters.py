@@ -13,8 +13,8 @@ from flax import nnx
 from helpers import RTOL, assert_tree_close, sweep
 
 import zerojax as zj
-from zerojax.analysis.accounting import lower
 from zerojax.analysis.hlo import collective_bytes
+from zerojax.analysis.measurement import lower
 
 V, T, D = 32, 8, 16
 STEPS, N = 3, 4

@@ -17,7 +17,7 @@ import pytest
 from helpers import DEFAULT_BUFFERS, sweep
 
 import zerojax as zj
-from zerojax.analysis.accounting import lower
+from zerojax.analysis.measurement import lower
 from zerojax.models import GPT, PRESETS, GPTConfig
 
 N, BATCH = 8, 8

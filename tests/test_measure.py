@@ -22,8 +22,9 @@ import pytest
 from helpers import sweep
 
 import zerojax as zj
-from zerojax.analysis.accounting import estimate, lower, measure, state_bytes, state_estimate
+from zerojax.analysis.accounting import estimate, state_estimate
 from zerojax.analysis.hlo import collective_bytes
+from zerojax.analysis.measurement import lower, measure, state_bytes
 from zerojax.models import GPT
 
 PRESET = "small8"
@@ -248,7 +249,7 @@ def engine_offloads() -> bool:
         return False
     e, b = tiny(3, "bfloat16", offload="optimizer")
     state_bytes(e, b)  # learns the units
-    # Read the memory kind directly, not through accounting.on_host, which the tests check.
+    # Read the memory kind directly, not through measurement.on_host, which the tests check.
     return any(x.sharding.memory_kind == "pinned_host"
                for x in jax.tree.leaves(e.abstract_state().master))
 
@@ -297,7 +298,7 @@ def test_engine_state_is_what_the_optimizers_init_allocates(name):
     counts, adafactor's unfactored placeholders, Muon's Newton–Schulz coefficients) whole."""
     from test_presets import expected_bytes
 
-    from zerojax.analysis.accounting import optimizer_state_size
+    from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.update.presets import build
 
     model = GPT.from_preset("test")  # no leaf needs padding at N = 8

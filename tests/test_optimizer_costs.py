@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.analysis.accounting import lower
+from zerojax.analysis.measurement import lower
 from zerojax.models import GPT
 from zerojax.units import PlainUnits
 

@@ -365,8 +365,8 @@ def test_stage2_quantized_with_offload_accumulation_and_no_remat():
 @functools.cache
 def _small8(**kw):
     """(engine, collective sites of its lowered stage-3 step, bytes sent by kind)."""
-    from zerojax.analysis.accounting import lower
     from zerojax.analysis.hlo import collective_sites
+    from zerojax.analysis.measurement import lower
     from zerojax.models import GPT
 
     model = GPT.from_preset("small8")
@@ -406,8 +406,9 @@ def test_qwz_and_qgz_bytes_from_the_hlo(fmt, most):
 
 
 def test_hpz_backward_gathers_stay_within_data_and_memory_is_zero3_plus_the_secondary():
-    from zerojax.analysis.accounting import state_bytes, state_estimate
+    from zerojax.analysis.accounting import state_estimate
     from zerojax.analysis.hlo import mesh_axis
+    from zerojax.analysis.measurement import state_bytes
 
     engine, sites, sent = _small8(hpz=True)
     psi = engine.plan.model.num_params()

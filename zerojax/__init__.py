@@ -9,12 +9,11 @@ import importlib
 from zerojax.analysis.accounting import (
     CommEstimate,
     EstimateError,
-    Measurement,
     MemoryEstimate,
     comm_estimate,
     estimate,
-    measure,
 )
+from zerojax.analysis.measurement import Measurement, measure
 from zerojax.analysis.planning import PlanResult, plan
 from zerojax.config import ZeroConfig
 from zerojax.engine import Engine

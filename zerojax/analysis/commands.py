@@ -245,7 +245,7 @@ def measure_main(argv: list[str]) -> int:
     quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads,
              "hpz": a.hpz}
     _start_devices(p, a.devices)
-    from zerojax.analysis.accounting import lower, measure_lowered
+    from zerojax.analysis.measurement import lower, measure_lowered
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import ZeroError

@@ -10,10 +10,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from zerojax.analysis.accounting import (
-    STAGES,
-    format_bytes,
-)
+from zerojax.analysis.accounting import STAGES, format_bytes
 
 TIE = 0.01  # communication within 1% of the least counts as equal
 # The learning rate and weight decay (train's default) of the optimizers `plan` and `measure`
@@ -192,8 +189,8 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     import jax
     import optax
 
-    from zerojax.analysis.accounting import lower, measure_lowered, state_bytes
     from zerojax.analysis.hlo import axis_bytes, collective_sites
+    from zerojax.analysis.measurement import lower, measure_lowered, state_bytes
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import BatchError, ConfigError

@@ -27,10 +27,10 @@ from zerojax.analysis.accounting import (
     MemoryEstimate,
     comm_estimate,
     format_bytes,
-    on_host,
     shares_master,
     state_estimate,
 )
+from zerojax.analysis.measurement import on_host
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 

@@ -173,7 +173,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
-    from zerojax.analysis.accounting import optimizer_state_size
+    from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
     from zerojax.config import ZeroConfig

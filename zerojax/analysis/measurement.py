@@ -1,0 +1,227 @@
+"""Memory and traffic of compiled training steps, per device: XLA's buffer assignment gives
+the memory; hlo.py reads the collectives from the program text (accounting.py: the analytic
+model these are checked against).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.analysis.accounting import (
+    ADAM_BYTES,
+    CommEstimate,
+    MemoryEstimate,
+    comm_estimate,
+    state_estimate,
+)
+from zerojax.analysis.hlo import (
+    axis_bytes,
+    collective_bytes,
+    collective_dtypes,
+    collective_sites,
+    collectives,
+)
+from zerojax.config import QUANT_BLOCK
+from zerojax.mesh import batch_sharding
+from zerojax.precision import DTYPES
+from zerojax.update.presets import StateSize, state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Per-device memory and traffic of one compiled training step.
+
+    `state` is the model state the engine keeps between steps, by component: `params`
+    (compute copy; 0 where it is the fp32 master itself), `master` (fp32), `optimizer`
+    (optax state), `other` (step counter, loss scale) and `total`. There are no `grads`:
+    gradients live only inside the step, in `temp_bytes`. `collective_bytes` is in the
+    dtype the program asks for; `collective_bytes_compiled` is what the compiled program
+    sends on this backend (XLA:CPU upcasts bf16 collectives to f32).
+
+    With offload, `state` also splits into `device` and `host` by each leaf's memory kind.
+    Where the compiled program reports host bytes (GPU), `device_peak_bytes` is measured
+    (`split` "measured"); XLA:CPU reports none and counts host buffers as arguments, so there
+    it is derived: `peak_bytes` less the state's host bytes (`split` "derived").
+    """
+
+    stage: int
+    devices: int  # data-parallel size N the state is sharded over
+    replica: int
+    num_params: int
+    param_dtype: str  # compute dtype of params and gradients
+    param_bytes: int  # bytes per compute param
+    reduce_bytes: int  # bytes per reduced gradient element
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    peak_bytes: int  # argument + output - alias + temp
+    state: dict[str, int]
+    collective_bytes: dict[str, float]
+    collective_bytes_compiled: dict[str, float]
+    collective_launches: int  # collectives the program starts per step (loops unrolled)
+    unknown_loops: int  # while loops whose trip count was not found (counted once)
+    offload: str | None = None
+    host_peak_bytes: int = 0  # the host_* figures of memory_analysis (0 where not reported)
+    device_peak_bytes: int = 0  # peak_bytes less what lives in host memory
+    split: str = "measured"  # how device/host were told apart: "measured" or "derived"
+    # The engine's optimizer state per param, master excluded, from its init (Adam: 8).
+    optimizer_state_bytes: float = ADAM_BYTES
+    # ZeRO++ (ZeroConfig's fields of the same names), and the requested bytes by kind and
+    # element type: a quantized collective's values ("s8", int4 packed in "u8") and scales
+    # ("f32") apart.
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quant_block: int = QUANT_BLOCK
+    hpz: bool = False
+    collective_dtype_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # The requested bytes by the mesh axes a collective spans ("data", "replica", "all"):
+    # what `plan` weighs by each link's bandwidth.
+    collective_axis_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
+        """The analytic `state_estimate` (with the engine's optimizer state) and
+        `comm_estimate` for this configuration."""
+        kw = {"replica": self.replica, "hpz": self.hpz, "quant_block": self.quant_block,
+              "quantize_weights": self.quantize_weights}
+        devices = self.devices * self.replica
+        mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
+                             offload=self.offload, quantize_grads=self.quantize_grads,
+                             optimizer_state_bytes=self.optimizer_state_bytes, **kw)
+        comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
+                             grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes,
+                             quantize_grads=self.quantize_grads, **kw)
+        return mem, comm
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def state_bytes(engine, batch=None) -> dict[str, int]:
+    """Per-device bytes of the engine's state by component (from shapes and shardings).
+
+    `batch` (arrays or `jax.ShapeDtypeStruct`s) is needed only if the engine has not learned
+    its units yet; nothing is compiled.
+    """
+    if batch is not None:
+        _abstract_batch(engine, batch)
+    state = engine.abstract_state()
+
+    def nbytes(tree, where=lambda x: True) -> int:
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree) if where(x))
+
+    out = {"params": nbytes(state.compute), "master": nbytes(state.master),
+           "optimizer": nbytes(state.opt_state),
+           "other": nbytes((state.step, state.loss_scale, state.rng, state.model_state))}
+    out["total"] = sum(out.values())
+    out["host"] = nbytes(state, on_host)
+    out["device"] = out["total"] - out["host"]
+    return out
+
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def on_host(x) -> bool:
+    """Whether the array (or `ShapeDtypeStruct`) `x` is placed in host memory."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
+
+
+def measure(engine, batch) -> Measurement:
+    """Compiles `engine`'s step for abstract inputs (allocating nothing) and measures it.
+
+    `batch`: the global batch as arrays or `jax.ShapeDtypeStruct`s. The engine learns its
+    units from it if it has not been initialized.
+    """
+    return measure_lowered(engine, lower(engine, batch))
+
+
+def measure_lowered(engine, lowered) -> Measurement:
+    """`measure` for a step already lowered with `lower(engine, batch)`."""
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    n_all = engine.replica * engine.data
+    cfg = engine.config
+    text = lowered.compiler_ir("hlo").as_hlo_text()
+    requested, launches, unknown = collectives(text, n_all)
+    state = state_bytes(engine)
+    peak, host_peak, device_peak, split = peaks(mem, state["host"])
+    return Measurement(
+        stage=cfg.stage,
+        devices=engine.data,
+        replica=engine.replica,
+        num_params=engine.layout.num_params,
+        param_dtype=cfg.param_dtype,
+        param_bytes=jnp.dtype(DTYPES[cfg.param_dtype]).itemsize,
+        reduce_bytes=jnp.dtype(DTYPES[cfg.grad_dtype]).itemsize,
+        argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes,
+        peak_bytes=peak,
+        state=state,
+        collective_bytes=requested,
+        collective_bytes_compiled=collective_bytes(compiled.as_text(), n_all),
+        collective_launches=launches,
+        unknown_loops=unknown,
+        offload=cfg.offload,
+        host_peak_bytes=host_peak,
+        device_peak_bytes=device_peak,
+        split=split,
+        optimizer_state_bytes=optimizer_state_size(engine).per_param,
+        quantize_weights=cfg.quantize_weights,
+        quantize_grads=cfg.quantize_grads,
+        quant_block=cfg.quant_block,
+        hpz=cfg.hpz,
+        collective_dtype_bytes=collective_dtypes(text, n_all),
+        collective_axis_bytes=axis_bytes(collective_sites(text, n_all)[0], engine.replica,
+                                         engine.data),
+    )
+
+
+def optimizer_state_size(engine) -> StateSize:
+    """What the engine's optimizer allocates for its logical fp32 params (from `init` on
+    shapes; the engine must know its units)."""
+    layout = engine.layout
+    params = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+                              for leaf in layout.leaves)
+    return state_size(engine.optimizer, params)
+
+
+def peaks(mem, host_state: int) -> tuple[int, int, int, str]:
+    """`(peak, host_peak, device_peak, split)` per device from a compiled step's
+    `memory_analysis()` and the state's bytes in host memory.
+
+    `split` is "measured" where the compiler reports host bytes (or nothing is on the host);
+    XLA:CPU reports none and counts host buffers with the device's, so there the device peak is
+    derived: the host state, an argument aliased to its output, counts once in `peak`.
+    """
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
+    host_peak = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+                 - mem.host_alias_size_in_bytes + mem.host_temp_size_in_bytes)
+    if host_peak or not host_state:
+        return peak, host_peak, peak, "measured"
+    return peak, host_peak, peak - host_state, "derived"
+
+
+def lower(engine, batch):
+    """`engine`'s step lowered for abstract, sharded inputs (learning the units if needed)."""
+    batch = _abstract_batch(engine, batch)  # first: the state's layout needs the units
+    return engine.lower(engine.abstract_state(), batch)
+
+
+def _abstract_batch(engine, batch):
+    """`batch` as sharded `ShapeDtypeStruct`s; the engine learns its units from it if needed."""
+    sharding = batch_sharding(engine.mesh)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                                        sharding=sharding), batch)
+    if engine.plan is None:
+        engine._discover(jax.eval_shape(engine.model.init, jax.random.key(0)), batch)
+    return batch
