@@ -25,15 +25,16 @@ _COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-reduce|all-gather|reduce-scatter|all
 
 
 @functools.cache
-def _collectives(name, stage) -> collections.Counter:
-    return collectives(*gpt_engine(OPTS[name](), stage))
+def _collectives(name, stage, dtype="float32") -> collections.Counter:
+    return collectives(*gpt_engine(OPTS[name](), stage, dtype=dtype))
 
 
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
         "lion": lambda: optax.lion(1e-4), "sgd+momentum": lambda: optax.sgd(0.1, momentum=0.9),
         "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0),
                                           optax.adamw(1e-3, weight_decay=0.1)),
-        "lamb": lambda: optax.lamb(1e-3)}
+        "lamb": lambda: optax.lamb(1e-3), "lars": lambda: optax.lars(1e-3),
+        "fromage": lambda: optax.fromage(1e-3)}
 
 
 def collectives(engine, batch) -> collections.Counter:
@@ -43,16 +44,16 @@ def collectives(engine, batch) -> collections.Counter:
                                for typ, kind in _COLLECTIVE.findall(hlo))
 
 
-def gpt_engine(optimizer, stage, n=N):
+def gpt_engine(optimizer, stage, n=N, dtype="float32"):
     model = GPT.from_preset("test")
     b = jax.ShapeDtypeStruct((2 * n, model.cfg.seq_len), jnp.int32)
-    return zj.Engine(model, optimizer, zj.make_mesh(data=n), zj.ZeroConfig(stage=stage)), \
-        {"inputs": b, "targets": b}
+    cfg = zj.ZeroConfig(stage=stage, param_dtype=dtype)
+    return zj.Engine(model, optimizer, zj.make_mesh(data=n), cfg), {"inputs": b, "targets": b}
 
 
-def added(name, stage, base="sgd"):
+def added(name, stage, base="sgd", dtype="float32"):
     """The collectives optimizer `name` adds to the step of `base` (and those it drops)."""
-    got, ref = _collectives(name, stage), _collectives(base, stage)
+    got, ref = _collectives(name, stage, dtype), _collectives(base, stage, dtype)
     return got - ref, ref - got
 
 
@@ -71,14 +72,34 @@ def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
                     collections.Counter({("all-reduce", "f32[]"): 1}))
 
 
-def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf(dtype):
     """lamb needs each leaf's param norm and update norm: one all-reduce of both for every
     leaf at once; optax's safe_norm then takes each norm again where it is not zero (a second
-    read of the same data, so a second all-reduce of the same size). No leaf is gathered."""
-    more, fewer = added("lamb", 3, base="adamw")
+    read of the same data, so a second all-reduce of the same size). No leaf is gathered, and
+    none goes to an owner: in bf16, `jnp.where` traced under the step's mesh adds `reshard`
+    annotations, which move no value (they once sent every update to owners, an all-to-all of
+    the whole gradient that doubled LAMB's stage-3 peak)."""
+    more, fewer = added("lamb", 3, base="adamw", dtype=dtype)
     leaves = len(jax.tree.leaves(jax.eval_shape(GPT.from_preset("test").init,
                                                 jax.random.key(0))))
     assert not fewer and more == collections.Counter({("all-reduce", f"f32[{2 * leaves}]"): 2})
+
+
+def test_trust_ratio_optimizers_in_bf16_keep_adamws_stage3_peak():
+    """LARS and Fromage take per-leaf norms like LAMB: in bf16 at stage 3 they add all-reduces
+    only (no all-to-all), and their compiled peak is AdamW's (the state differs by Fromage's
+    and LARS's smaller moments only)."""
+    from zerojax.analysis.measurement import measure
+
+    for name in ("lars", "fromage"):
+        more, _ = added(name, 3, base="sgd", dtype="bfloat16")
+        assert {kind for kind, _ in more} == {"all-reduce"}, (name, more)
+    peaks = {}
+    for name in ("adamw", "lamb"):
+        m = measure(*gpt_engine(OPTS[name](), 3, dtype="bfloat16"))
+        peaks[name] = m.peak_bytes - m.state["total"]
+    assert peaks["lamb"] <= 1.01 * peaks["adamw"], peaks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -292,6 +292,12 @@ class Planner:
             return self.local(run, ins, [out_aval], [b])
         return None
 
+    def identity(self, eqn, ins):
+        """A sharding annotation (e.g. the `reshard` that `jnp.where` adds when traced under
+        the step's mesh): no value changes, so its operands pass through as they are."""
+        del eqn
+        return list(ins)
+
     def _zero(self, k) -> bool:
         v = self.consts.get(k)
         return v is not None and isinstance(v, np.ndarray) and not v.any()
@@ -421,6 +427,7 @@ RULES: dict[str, Callable] = {
     "squeeze": Planner.reshape,
     "expand_dims": Planner.reshape,
     "broadcast_in_dim": Planner.broadcast,
+    **{name: Planner.identity for name in ("reshard", "sharding_constraint", "mesh_cast")},
     "cond": Planner.cond,
     "scan": Planner.scan,
     "while": Planner.while_,
