@@ -13,3 +13,33 @@ from helpers import sweep
 def test_optimizer_table_matches_single_device_optax(bundle, config):
     losses, params, _ = table.run(bundle, config)
     table.assert_matches(bundle, losses, params)
+
+
+def test_trust_ratio_optimizers_in_bf16_at_stage_3_match_stage_0():
+    """LAMB, LARS and Fromage with bf16 compute: stage 3's sharded update (the per-leaf norms
+    as segment sums, the `reshard` annotations bf16 brings passed through) against stage 0's,
+    where every device holds whole leaves; the same bf16 gradients on CPU. Measured: losses
+    equal, params within 4e-7 of how far stage 0 moved them."""
+    import jax
+    import numpy as np
+
+    import zerojax as zj
+
+    names = ["lamb", "lars", "fromage"]
+    runs = []
+    for stage in (0, 3):
+        engine = zj.Engine(table.Bundle(names), table.bundled(names), zj.make_mesh(data=4),
+                           zj.ZeroConfig(stage=stage, param_dtype="bfloat16"))
+        bs = table.batches()
+        state = engine.init(jax.random.key(0), bs[0])
+        start, losses = jax.device_get(engine.params(state)), []
+        for b in bs:
+            state, m = engine.step(state, b)
+            losses.append(float(m["loss"]))
+        runs.append((losses, jax.device_get(engine.params(state)), start))
+    (ref_losses, ref, start), (losses, params, _) = runs
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    dist = lambda a, b: np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y)) ** 2)
+                                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+    for n in names:
+        assert dist(params[n], ref[n]) <= 1e-5 * dist(ref[n], start[n]), n
