@@ -242,8 +242,7 @@ def measure_main(argv: list[str]) -> int:
     if a.quantize_weights and 0 in a.stage:
         p.error(f"--quantize-weights {a.quantize_weights} needs stages 1-3 (stage 0 gathers no "
                 f"params); drop stage 0 (e.g. --stage 1,2,3)")
-    quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads,
-             "hpz": a.hpz}
+    quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads}
     _start_devices(p, a.devices)
     from zerojax.analysis.measurement import lower, measure_lowered
     from zerojax.config import ZeroConfig
@@ -255,15 +254,15 @@ def measure_main(argv: list[str]) -> int:
     facts = _assumptions(a, model, batch, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
         f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")
-        + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items()
-                  if v and k != "hpz") + (", hpZ" if a.hpz else "")
+        + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items() if v)
+        + (", hpZ" if a.hpz else "")
         + (f", mesh replica {a.replica} x data {a.devices // a.replica}" if a.replica > 1
            else "")))
     print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
     results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
-                         grad_accum=a.grad_accum, offload=a.offload, **quant)
+                         grad_accum=a.grad_accum, offload=a.offload, hpz=a.hpz, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
             mesh = make_mesh(replica=a.replica, data=a.devices // a.replica)

@@ -100,8 +100,8 @@ def mesh_axis(groups: list[list[int]], replica: int, data: int) -> str:
 
 
 def axis_bytes(sites: list[dict], replica: int, data: int) -> dict[str, float]:
-    """Bytes one device sends per step, by the mesh axes its collectives span (`mesh_axis`:
-    "data", "replica", "all", "other"; groups of one device send nothing)."""
+    """Bytes one device sends per step of `collective_sites`, by the mesh axes they span
+    (`mesh_axis`: "data", "replica", "all", "other"; groups of one device send nothing)."""
     out: dict[str, float] = {}
     for site in sites:
         axis = mesh_axis(site["groups"], replica, data)
@@ -157,18 +157,23 @@ def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
 def collectives(hlo_text: str, devices: int) -> tuple[dict[str, float], int, int]:
     """(bytes by kind, collectives launched, loops whose trip count is unknown and so is 1)."""
     sites, unknown = collective_sites(hlo_text, devices)
+    return (*by_kind(sites), unknown)
+
+
+def by_kind(sites: list[dict]) -> tuple[dict[str, float], int]:
+    """(bytes by collective kind and "total", collectives launched) of `collective_sites`."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for site in sites:
         out[site["kind"]] += site["sent"]
     out["total"] = sum(out[k] for k in COLLECTIVES)
-    return out, sum(site["launches"] for site in sites), unknown
+    return out, sum(site["launches"] for site in sites)
 
 
-def collective_dtypes(hlo_text: str, devices: int) -> dict[str, dict[str, float]]:
-    """Bytes one device sends per step by collective kind and element type (e.g. a quantized
+def by_dtype(sites: list[dict]) -> dict[str, dict[str, float]]:
+    """Bytes by collective kind and element type of `collective_sites` (e.g. a quantized
     gather's "s8" values and "f32" scales)."""
     out: dict[str, dict[str, float]] = {}
-    for site in collective_sites(hlo_text, devices)[0]:
+    for site in sites:
         kind = out.setdefault(site["kind"], {})
         for dtype, sent in site["by_dtype"].items():
             kind[dtype] = kind.get(dtype, 0.0) + sent

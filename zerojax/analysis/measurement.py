@@ -19,13 +19,7 @@ from zerojax.analysis.accounting import (
     comm_estimate,
     state_estimate,
 )
-from zerojax.analysis.hlo import (
-    axis_bytes,
-    collective_bytes,
-    collective_dtypes,
-    collective_sites,
-    collectives,
-)
+from zerojax.analysis.hlo import axis_bytes, by_dtype, by_kind, collective_bytes, collective_sites
 from zerojax.config import QUANT_BLOCK
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
@@ -149,7 +143,8 @@ def measure_lowered(engine, lowered) -> Measurement:
     n_all = engine.replica * engine.data
     cfg = engine.config
     text = lowered.compiler_ir("hlo").as_hlo_text()
-    requested, launches, unknown = collectives(text, n_all)
+    sites, unknown = collective_sites(text, n_all)  # the program read once
+    requested, launches = by_kind(sites)
     state = state_bytes(engine)
     peak, host_peak, device_peak, split = peaks(mem, state["host"])
     return Measurement(
@@ -179,9 +174,8 @@ def measure_lowered(engine, lowered) -> Measurement:
         quantize_grads=cfg.quantize_grads,
         quant_block=cfg.quant_block,
         hpz=cfg.hpz,
-        collective_dtype_bytes=collective_dtypes(text, n_all),
-        collective_axis_bytes=axis_bytes(collective_sites(text, n_all)[0], engine.replica,
-                                         engine.data),
+        collective_dtype_bytes=by_dtype(sites),
+        collective_axis_bytes=axis_bytes(sites, engine.replica, engine.data),
     )
 
 

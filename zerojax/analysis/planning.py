@@ -189,7 +189,7 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     import jax
     import optax
 
-    from zerojax.analysis.hlo import axis_bytes, collective_sites
+    from zerojax.analysis.hlo import axis_bytes, by_kind, collective_sites
     from zerojax.analysis.measurement import lower, measure_lowered, state_bytes
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
@@ -238,9 +238,9 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
             if c.state_bytes > device_memory:
                 text = lowered.compiler_ir("hlo").as_hlo_text()
                 sites, _ = collective_sites(text, devices)
-                c.comm_bytes = sum(site["sent"] for site in sites)
-                c.launches = sum(site["launches"] for site in sites)
-                found = axis_bytes(sites, engine.replica, engine.data)
+                kinds, c.launches = by_kind(sites)
+                c.comm_bytes, found = kinds["total"], axis_bytes(sites, engine.replica,
+                                                                engine.data)
                 c.reason = (f"model state alone is {format_bytes(c.state_bytes)} > "
                             f"{format_bytes(device_memory)} (not compiled)")
             else:
@@ -279,10 +279,11 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
         return best
     bases = _best_per_group([c for c in cands if c.fits],
                             lambda c: (c.stage, c.replica, c.offload), _cost(links))
-    run([v for b in bases for v in _zeropp(b, quantize)])
+    variants = [_zeropp(b, quantize) for b in bases]
+    run([v for vs in variants for v in vs])
     result(offload_searched=offloaded)  # marks what fits
     # qwZ or qgZ alone where both together did not fit.
-    run([v for b in bases if not _fits_like(cands, b, quantize)
+    run([v for b, vs in zip(bases, variants) if not any(x.fits and x.quantized for x in vs)
          for v in _zeropp(b, quantize, alone=True)])
     return result(offload_searched=offloaded)
 
@@ -335,19 +336,10 @@ def _zeropp(base: Candidate, quantize: str | None, alone: bool = False) -> list[
     return out
 
 
-def _fits_like(cands: list[Candidate], base: Candidate, quantize: str | None) -> bool:
-    """Whether a fully quantized variant of `base` fits."""
-    return any(c.fits and c.quantize_grads == quantize and (c.quantize_weights or c.stage == 0)
-               and (c.stage, c.remat, c.grad_accum, c.offload, c.replica)
-               == (base.stage, base.remat, base.grad_accum, base.offload, base.replica)
-               for c in cands)
-
-
 def _cost(links: dict[str, float] | None) -> Callable[[Candidate], float]:
-    """What `plan` minimizes: seconds on the links where their bandwidth is known, else bytes."""
-    if links is None:
-        return lambda c: c.comm_bytes
-    return lambda c: link_seconds(c.axis_bytes or {}, links)
+    """What `plan` minimizes: seconds on the links where their bandwidth is known (`_choose`
+    sets `comm_seconds`), else bytes."""
+    return (lambda c: c.comm_bytes) if links is None else (lambda c: c.comm_seconds)
 
 
 def _order(c: Candidate) -> tuple:
