@@ -72,14 +72,14 @@ def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
                     collections.Counter({("all-reduce", "f32[]"): 1}))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf(dtype):
     """lamb needs each leaf's param norm and update norm: one all-reduce of both for every
     leaf at once; optax's safe_norm then takes each norm again where it is not zero (a second
     read of the same data, so a second all-reduce of the same size). No leaf is gathered, and
-    none goes to an owner: in bf16, `jnp.where` traced under the step's mesh adds `reshard`
-    annotations, which move no value (they once sent every update to owners, an all-to-all of
-    the whole gradient that doubled LAMB's stage-3 peak)."""
+    none goes to an owner: in bf16 and fp16 (loss-scaled), `jnp.where` traced under the step's
+    mesh adds `reshard` annotations, which move no value (they once sent every update to
+    owners, an all-to-all of the whole gradient that doubled LAMB's stage-3 peak)."""
     more, fewer = added("lamb", 3, base="adamw", dtype=dtype)
     leaves = len(jax.tree.leaves(jax.eval_shape(GPT.from_preset("test").init,
                                                 jax.random.key(0))))

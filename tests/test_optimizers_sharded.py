@@ -15,11 +15,13 @@ def test_optimizer_table_matches_single_device_optax(bundle, config):
     table.assert_matches(bundle, losses, params)
 
 
-def test_trust_ratio_optimizers_in_bf16_at_stage_3_match_stage_0():
-    """LAMB, LARS and Fromage with bf16 compute: stage 3's sharded update (the per-leaf norms
-    as segment sums, the `reshard` annotations bf16 brings passed through) against stage 0's,
-    where every device holds whole leaves; the same bf16 gradients on CPU. Measured: losses
-    equal, params within 4e-7 of how far stage 0 moved them."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_trust_ratio_optimizers_in_half_precision_at_stage_3_match_stage_0(dtype):
+    """LAMB, LARS and Fromage with bf16 compute, and fp16 with loss scaling (the update's
+    finite-step path): stage 3's sharded update (the per-leaf norms as segment sums, the
+    `reshard` annotations half precision brings passed through) against stage 0's, where every
+    device holds whole leaves; the same gradients on CPU. Measured in bf16: losses equal,
+    params within 4e-7 of how far stage 0 moved them."""
     import jax
     import numpy as np
 
@@ -29,7 +31,7 @@ def test_trust_ratio_optimizers_in_bf16_at_stage_3_match_stage_0():
     runs = []
     for stage in (0, 3):
         engine = zj.Engine(table.Bundle(names), table.bundled(names), zj.make_mesh(data=4),
-                           zj.ZeroConfig(stage=stage, param_dtype="bfloat16"))
+                           zj.ZeroConfig(stage=stage, param_dtype=dtype))
         bs = table.batches()
         state = engine.init(jax.random.key(0), bs[0])
         start, losses = jax.device_get(engine.params(state)), []
