@@ -401,5 +401,3 @@ def format_seconds(s: float) -> str:
             return f"{s / scale:.3g} {unit}"
     return f"{s:.3g} s"
 
-
-# --- The largest GPT that fits, from the estimator (nothing compiled) ---------------------------
