@@ -396,8 +396,8 @@ def _choose(result: PlanResult) -> PlanResult:
 
 def format_seconds(s: float) -> str:
     """'1.23 ms', '456 us', '2.5 s'."""
-    for unit, scale in (("s", 1), ("ms", 1e-3), ("us", 1e-6)):
-        if s >= scale or unit == "us":
+    for unit, scale in (("s", 1), ("ms", 1e-3)):
+        if s >= scale:
             return f"{s / scale:.3g} {unit}"
-    return f"{s:.3g} s"
+    return f"{s / 1e-6:.3g} us"
 
