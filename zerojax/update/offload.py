@@ -3,6 +3,8 @@ device."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
@@ -10,6 +12,13 @@ from jax.experimental.compute_on import compute_on
 from zerojax.update.program import Program, run_comms, run_local
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def on_host(f):
+    """`f` compiled as one host computation whose outputs stay in host memory."""
+    if "compute_type" in inspect.signature(compute_on).parameters:  # jax >= 0.11: a transform
+        return compute_on(jax.jit(f), compute_type="device_host", out_memory_spaces=HOST)
+    return compute_on("device_host")(jax.jit(f))  # jax 0.10: a context manager
 
 
 def to_memory(tree, space):
@@ -70,7 +79,7 @@ def run_offloaded(prog: Program, args, spaces):
 
         space = HOST if kind == "host" else DEVICE
         vals = [to_memory(env[k], space) for k in ins]
-        res = compute_on("device_host")(jax.jit(seg))(*vals) if kind == "host" else seg(*vals)
+        res = on_host(seg)(*vals) if kind == "host" else seg(*vals)
         env.update(zip(outs, [to_memory(r, HOST) for r in res] if kind == "device" else res))
     return [to_memory(env[k] if k in env else jnp.asarray(prog.consts[k]), space)
             for k, space in zip(prog.outputs, spaces, strict=True)]
