@@ -16,7 +16,7 @@ HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 def on_host(f):
     """`f` compiled as one host computation whose outputs stay in host memory."""
-    if "compute_type" in inspect.signature(compute_on).parameters:  # jax >= 0.11: a transform
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # jax >= 0.11
         return compute_on(jax.jit(f), compute_type="device_host", out_memory_spaces=HOST)
     return compute_on("device_host")(jax.jit(f))  # jax 0.10: a context manager
 
