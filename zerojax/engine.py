@@ -26,11 +26,12 @@ from zerojax.mesh import (
     check_mesh,
     check_state,
     mesh_sizes,
+    model_size,
     naming_the_batch,
     put_batch,
     remember_batch,
 )
-from zerojax.partition import Layout, LeafSpec
+from zerojax.partition import Layout, LeafSpec, manual, spec_split, split_leaves
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.step import (
     DEVICE,
@@ -69,8 +70,9 @@ class Engine:
         self.model, self.optimizer, self.mesh, self.config = model, optimizer, mesh, config
         self.owners = bool(owners)
         self.replica, self.data = mesh_sizes(mesh)
+        self.model_parallel = model_size(mesh)
         config.check_mesh(self.replica)
-        self.axes = batch_axes(mesh)
+        self.axes = batch_axes(mesh)  # the step is manual over these; "model" is automatic
         self.plan: StepPlan | None = None
         self._step_fn = None
         self._eval_fn = None
@@ -109,7 +111,7 @@ class Engine:
             return ()
 
         body = jax.shard_map(trace, mesh=self.mesh, in_specs=(P(self.axes), P(), P()),
-                             out_specs=(), check_vma=False)
+                             out_specs=(), axis_names=frozenset(self.axes), check_vma=False)
         jax.eval_shape(body, jax.tree.map(micro, batch), _abstract_key_data(),
                        self._abstract_model_state())
         rec = recs[-1]
@@ -126,10 +128,28 @@ class Engine:
         self.set_units(tuple(LeafSpec(p, a.shape, rec.uses.get(i) == {"scan"})
                              for i, (p, a) in enumerate(zip(paths, avals))), treedef)
 
+    def _splits(self, leaves: tuple[LeafSpec, ...], treedef) -> tuple[LeafSpec, ...]:
+        """`leaves` split over the mesh's `model` axis as the model's `param_specs()` says."""
+        specs = getattr(self.model, "param_specs", None)
+        splits = {}
+        if callable(specs):
+            tree = specs()
+            try:
+                flat = treedef.flatten_up_to(tree)
+            except (ValueError, TypeError) as e:
+                raise ModelError(f"the model's param_specs() does not match its params' "
+                                 f"structure ({e}); return a PartitionSpec (or None) per "
+                                 f"param leaf, as init() returns them") from None
+            splits = {leaf.path: spec_split(spec, leaf.shape, leaf.path)
+                      for leaf, spec in zip(leaves, flat)}
+        return split_leaves(leaves, splits, self.model_parallel)
+
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
-        """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss."""
+        """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss;
+        the leaves are split over the mesh's `model` axis as the model's annotations say."""
         stage0 = self.config.stage == 0
         cfg = self.config
+        leaves = self._splits(tuple(leaves), treedef)
         if cfg.hpz:  # hpZ: the primary shard over every device, data-major (collectives.py)
             layout = Layout(tuple(leaves), treedef, self.data * self.replica,
                             axes=(DATA, REPLICA))
@@ -160,10 +180,16 @@ class Engine:
         opt = self.plan.update.specs()
         compute = None
         if self.plan.stores_compute:
-            compute = master if cfg.stage == 3 else layout.unflatten(P() for _ in layout.leaves)
+            compute = master if cfg.stage == 3 else layout.unflatten(
+                leaf.logical_spec() for leaf in layout.leaves)
         model_state = jax.tree.map(lambda _: P(), self._abstract_model_state())
         return TrainState(P(), master, opt, compute,
                           jax.tree.map(lambda _: P(), init_loss_scale(1.0)), P(), model_state)
+
+    def _manual_specs(self) -> TrainState:
+        """`state_specs` as the step's shard_map takes them: the batch axes only (the model
+        axis travels with the arrays' shardings)."""
+        return jax.tree.map(manual, self.state_specs(), is_leaf=lambda x: isinstance(x, P))
 
     def _abstract_model_state(self):
         """The model state as ShapeDtypeStructs (None for a model without `init_state`)."""
@@ -267,10 +293,10 @@ class Engine:
 
     def _compiled_step(self):
         if self._step_fn is None:
-            specs = self.state_specs()
+            specs = self._manual_specs()
             body = jax.shard_map(partial(local_step, self.plan), mesh=self.mesh,
                                  in_specs=(specs, P(self.axes)), out_specs=(specs, P()),
-                                 check_vma=True)
+                                 axis_names=frozenset(self.axes), check_vma=True)
             # The state's memory kinds are pinned, not inferred: a host computation's scalar
             # output (an optimizer's step count) may otherwise come back typed as device.
             # keep_unused: a state leaf the update never reads (an optimizer's placeholder) is
@@ -300,8 +326,8 @@ class Engine:
         check_batch_like(self, batch)
         if self._eval_fn is None:
             body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
-                                 in_specs=(self.state_specs(), P(self.axes)), out_specs=P(),
-                                 check_vma=True)
+                                 in_specs=(self._manual_specs(), P(self.axes)), out_specs=P(),
+                                 axis_names=frozenset(self.axes), check_vma=True)
             self._eval_fn = jax.jit(body)
         return self._eval_fn(state, put_batch(batch, self.mesh))
 

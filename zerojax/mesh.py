@@ -23,36 +23,43 @@ from zerojax.errors import ArgumentError, BatchError, MeshError, StateError
 
 DATA = "data"
 REPLICA = "replica"
+MODEL = "model"
 
 
 def make_mesh(data: int | None = None, replica: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of `replica × data` devices: axes `("replica", "data")`, or `("data",)` if replica=1.
+              devices: Sequence[jax.Device] | None = None, *, model: int = 1) -> Mesh:
+    """A mesh of `replica × data × model` devices: axes `("replica", "data", "model")`, the
+    replica axis left out when replica=1 and the model axis when model=1.
 
-    ZeRO state is sharded over `data` and replicated over `replica` (hybrid sharding).
-    `data=None` takes all devices. With fewer devices requested than exist, the first ones
-    are used.
+    ZeRO state is sharded over `data` and replicated over `replica` (hybrid sharding); each
+    layer's weights are split over `model` as the model's annotations say (tensor
+    parallelism; DESIGN.md section 8), `model` innermost, so its devices are neighbours
+    (the fastest links). `data=None` takes all devices. With fewer devices requested than
+    exist, the first ones are used.
     """
     devs = list(jax.devices() if devices is None else devices)
-    if not isinstance(replica, int) or replica < 1:
-        raise MeshError(f"replica={replica!r} must be a positive integer")
+    for name, v in (("replica", replica), ("model", model)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MeshError(f"{name}={v!r} must be a positive integer")
     if data is None:
-        if len(devs) % replica:
-            raise MeshError(f"{len(devs)} devices do not split into replica={replica} groups; "
-                            f"pass data=... so that replica × data divides the device count")
-        data = len(devs) // replica
-    if not isinstance(data, int) or data < 1:
+        if len(devs) % (replica * model):
+            raise MeshError(f"{len(devs)} devices do not split into replica={replica} × "
+                            f"model={model} groups; pass data=... so that replica × data × "
+                            f"model divides the device count")
+        data = len(devs) // (replica * model)
+    if isinstance(data, bool) or not isinstance(data, int) or data < 1:
         raise MeshError(f"data={data!r} must be a positive integer")
-    need = replica * data
+    need = replica * data * model
     if need > len(devs):
         raise MeshError(
-            f"mesh replica={replica} × data={data} needs {need} devices but only {len(devs)} "
-            f"exist; on CPU simulate more with XLA_FLAGS=--xla_force_host_platform_device_count="
-            f"{need} (set before jax starts)")
-    grid = np.array(devs[:need], dtype=object)
-    if replica == 1:
-        return Mesh(grid, (DATA,))
-    return Mesh(grid.reshape(replica, data), (REPLICA, DATA))
+            f"mesh replica={replica} × data={data} × model={model} needs {need} devices but "
+            f"only {len(devs)} exist; on CPU simulate more with "
+            f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts (or "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+    sizes = [(REPLICA, replica), (DATA, data), (MODEL, model)]
+    names = tuple(a for a, n in sizes if n > 1 or a == DATA)
+    shape = tuple(n for a, n in sizes if n > 1 or a == DATA)
+    return Mesh(np.array(devs[:need], dtype=object).reshape(shape), names)
 
 
 def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
@@ -60,22 +67,28 @@ def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
     names = tuple(mesh.axis_names)
     if DATA not in names:
         raise MeshError(f"mesh axes {names} have no {DATA!r} axis; build the mesh with "
-                        f"zerojax.make_mesh(data=..., replica=...)")
-    extra = [a for a in names if a not in (DATA, REPLICA)]
+                        f"zerojax.make_mesh(data=..., replica=..., model=...)")
+    extra = [a for a in names if a not in (DATA, REPLICA, MODEL)]
     if extra:
-        raise MeshError(f"mesh axes {extra} are not zerojax axes; only {REPLICA!r} and "
-                        f"{DATA!r} are supported (use zerojax.make_mesh)")
+        raise MeshError(f"mesh axes {extra} are not zerojax axes; only {REPLICA!r}, {DATA!r} "
+                        f"and {MODEL!r} are supported (use zerojax.make_mesh)")
     shape = dict(mesh.shape)
     return shape.get(REPLICA, 1), shape[DATA]
 
 
+def model_size(mesh: Mesh) -> int:
+    """`M`: the devices of the mesh's `model` axis (1 without one)."""
+    return dict(mesh.shape).get(MODEL, 1)
+
+
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch is split over (all of them: every device sees its own slice)."""
+    """The mesh axes the batch is split over: all but `model` (the devices of one model group
+    see the same examples). The step runs manual over these axes."""
     return tuple(a for a in (REPLICA, DATA) if a in mesh.axis_names)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a batch leaf: axis 0 split over every mesh axis."""
+    """Sharding of a batch leaf: axis 0 split over the batch axes, replicated over `model`."""
     return NamedSharding(mesh, P(batch_axes(mesh)))
 
 

@@ -35,6 +35,7 @@ from zerojax.collectives import (
     all_reduce,
     gather_layer,
     gather_units,
+    on_pieces,
     reduce_scatter_leaf,
     vary,
 )
@@ -159,7 +160,8 @@ def compute_params(plan: StepPlan, state: TrainState) -> list:
         return jax.tree.leaves(state.compute)
     masters = jax.tree.leaves(state.master)
     if plan.config.stage == 0:
-        return [unpad(m, leaf) for m, leaf in zip(masters, plan.layout.leaves)]
+        return [on_pieces(unpad, leaf, m, True, False)
+                for m, leaf in zip(masters, plan.layout.leaves)]
     return masters
 
 
@@ -272,25 +274,28 @@ def _unscale(g, denom):
 
 
 def _shard_shape(layout: Layout, leaf) -> tuple[int, ...]:
-    k = layout.shard_size(leaf)
-    return (leaf.shape[0], k) if leaf.stacked else (k,)
+    """This device's part of a flat leaf: `[L?, M?, k]` (the model axis automatic)."""
+    return (*layout.flat_shape(leaf)[:-1], layout.shard_size(leaf))
 
 
 def _reduce(plan: StepPlan, grads: list) -> list:
-    """Summed gradients in the master layout: full (stage 0) or this device's shard."""
+    """Summed gradients in the master layout: full (stage 0) or this device's shard. A split
+    leaf's model pieces are reduced each on its own device of "model" (`on_pieces`)."""
     stage, layout, wire = plan.config.stage, plan.layout, plan.wire
     sizes = [plan.data if a == DATA else plan.replica for a in plan.axes]
     if stage == 0:
-        return [pad_flat(all_reduce(g.astype(plan.rdtype), plan.axes, sizes, wire, plan.dtype),
-                         leaf, 1) for g, leaf in zip(grads, layout.leaves)]
+        return [on_pieces(lambda g, lf: pad_flat(
+            all_reduce(g.astype(plan.rdtype), plan.axes, sizes, wire, plan.dtype), lf, 1),
+            leaf, g, False, True) for g, leaf in zip(grads, layout.leaves)]
     if stage == 1:
-        out = []
-        for g, leaf in zip(grads, layout.leaves):
-            g = pad_flat(g.astype(plan.rdtype), leaf, plan.data)
-            out.append(reduce_scatter_leaf(g, plan.data, wire))  # [L?, N·k] {U_data} -> [L?, k]
-        grads = out
+        # [L?, N·k] {U_data} -> [L?, k], per model piece
+        grads = [on_pieces(lambda g, lf: reduce_scatter_leaf(
+            pad_flat(g.astype(plan.rdtype), lf, plan.data), plan.data, wire), leaf, g, False,
+            True) for g, leaf in zip(grads, layout.leaves)]
     if plan.replica > 1 and not wire.hpz:  # the 1/N shard, summed over replicas
-        grads = [all_reduce(g, REPLICA, [plan.replica], wire, plan.dtype) for g in grads]
+        grads = [on_pieces(lambda g, lf: all_reduce(g, REPLICA, [plan.replica], wire,
+                                                    plan.dtype), leaf, g, True, True)
+                 for g, leaf in zip(grads, layout.leaves)]
     return grads
 
 
@@ -304,7 +309,8 @@ def _refresh(plan: StepPlan, masters: list, old) -> Any:
     """
     layout, dtype = plan.layout, plan.dtype
     if plan.config.stage == 0:
-        return layout.unflatten(unpad(m.astype(dtype), leaf)
+        return layout.unflatten(on_pieces(lambda m, lf: unpad(m.astype(dtype), lf), leaf, m,
+                                          True, False)
                                 for m, leaf in zip(masters, layout.leaves))
     if plan.config.stage == 3:
         return layout.unflatten(m.astype(dtype) for m in masters)

@@ -267,9 +267,8 @@ class ShardUnits(Context):
         if self.stage <= 1:
             return [a.astype(self.dtype) for a in args]
         if self.stage == 2:
-            return list(view(tuple(fulls), tuple(args), leaves, self.layout.shards, self.wire))
-        return gather_unit(jnp.concatenate(args), src, leaves, self.layout.shards, self.dtype,
-                           self.wire)
+            return view(fulls, args, leaves, self.layout.shards, self.wire)
+        return gather_unit(args, src, leaves, self.layout.shards, self.dtype, self.wire)
 
     def _source(self, idx, xs):
         """hpZ's secondary shard of the units of leaves `idx` (stage 3), else None."""

@@ -17,6 +17,15 @@ ZeRO++ (Wang et al. 2023), chosen per unit by the `Wire` the config gives:
        an all_gather over "replica" yields this data index's secondary shard [R·K] (in the
        compute dtype, or as the quantized message under qwZ); the per-layer gathers of the
        forward and of the rematerialized backward read it over "data" alone.
+
+The model axis (tensor parallelism, DESIGN.md section 8): the step is manual over the batch
+axes and automatic over "model". A collective over "data" of a value whose model pieces are
+split would make XLA replicate the pieces over "model" first (the whole weight on every
+device), so each function here runs the collectives of a unit's split leaves inside a nested
+shard_map manual over "model" (`_model_map`), where a device sees only its own model piece of
+each leaf and does exactly what it does for a leaf that is not split; the pieces leave as
+logical values split over "model" on their split dimension. A unit's split and unsplit
+leaves travel as two buckets.
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives.quantize import decode, encode
-from zerojax.mesh import DATA, REPLICA
+from zerojax.mesh import DATA, MODEL, REPLICA
 from zerojax.partition import pad_unit, unpad, unpad_unit
 
 
@@ -65,7 +75,7 @@ def split_units(gathered, leaves, shards):
     return [unpad_unit(p.reshape(-1), leaf) for p, leaf in zip(pieces, leaves)]
 
 
-def gather_units(shards, leaves, n, dtype, replicated=False, wire=PLAIN):
+def _gather_units(shards, leaves, n, dtype, replicated=False, wire=PLAIN):
     """Several leaves' `[k_i]` shards -> their logical unit values, with one all_gather in
     `dtype` (`replicated`: typed invariant over "data", as replicated state must be), or the
     two of qwZ."""
@@ -80,6 +90,13 @@ def gather_units(shards, leaves, n, dtype, replicated=False, wire=PLAIN):
                        n)
 
 
+def gather_units(shards, leaves, n, dtype, replicated=False, wire=PLAIN):
+    """`_gather_units` of each model piece on its own device of "model": `[M?, k_i]` shards
+    -> logical unit values."""
+    return _per_group(lambda ls, xs, _: _gather_units(xs, ls, n, dtype, replicated, wire),
+                      leaves, [shards], [STORED], LOGICAL)
+
+
 def gather_layer(stacks, i, leaves, n, dtype, replicated=False, wire=PLAIN):
     """Layer `i` of several stacked `[L, k_i]` shards, gathered as one unit (`gather_units`)."""
     return gather_units([lax.dynamic_index_in_dim(x, i, 0, False) for x in stacks], leaves, n,
@@ -87,6 +104,13 @@ def gather_layer(stacks, i, leaves, n, dtype, replicated=False, wire=PLAIN):
 
 
 def reduce_scatter_units(cts, leaves, n, dtype, wire=PLAIN):
+    """`_reduce_scatter_units` of each model piece on its own device of "model": logical unit
+    cotangents -> this device's `[M?, k_i]` shard of each one's sum."""
+    return _per_group(lambda ls, cs, _: _reduce_scatter_units(cs, ls, n, dtype, wire), leaves,
+                      [cts], [LOGICAL], STORED)
+
+
+def _reduce_scatter_units(cts, leaves, n, dtype, wire=PLAIN):
     """Several leaves' unit cotangents -> this device's `[k_i]` shard of each one's sum over
     "data" (and "replica" under hpZ), with one reduce-scatter per hop (qgZ: an all_to_all)."""
     padded = [pad_unit(ct, leaf, n).astype(dtype).reshape(n, -1) for ct, leaf in zip(cts, leaves)]
@@ -180,7 +204,7 @@ def barrier(x):
 # Stage 2's view: forward is the replicated weights; backward reduce-scatters the cotangents
 # onto the shard-shaped stand-ins, so the full gradient of a unit is never kept.
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def view(fulls, standins, leaves, shards, wire):
+def _view(fulls, standins, leaves, shards, wire):
     del standins
     return fulls
 
@@ -193,7 +217,14 @@ def _view_bwd(leaves, shards, wire, token, cts):
     return None, tuple(reduce_scatter_units(cts, leaves, shards, token.dtype, wire))
 
 
-view.defvjp(_view_fwd, _view_bwd)
+_view.defvjp(_view_fwd, _view_bwd)
+
+
+def view(fulls, standins, leaves, n, wire=PLAIN):
+    """Stage 2's unit values: `fulls` (the replicated compute params) forward; backward
+    reduce-scatters their cotangents onto the `[M?, k_i]` stand-ins (`reduce_scatter_units`,
+    each model piece on its own device)."""
+    return list(_view(tuple(fulls), tuple(standins), tuple(leaves), n, wire))
 
 
 # Stage 3's gather: all_gather in compute dtype; its backward reduce-scatters in the dtype of
@@ -286,9 +317,7 @@ def _lift_bwd(wire, segs, _, ct):
 lift.defvjp(_lift_fwd, _lift_bwd)
 
 
-def gather_unit(shard, src, leaves, n, dtype, wire=PLAIN):
-    """Stage 3: a unit's logical values from this device's `[K]` shard (differentiated; its
-    gradient is the reduced shard) and, under hpZ, its secondary shard `src`."""
+def _gather_unit(shard, src, leaves, n, dtype, wire=PLAIN):
     segs = segments(leaves, n)
     if wire.hpz:
         full = gather_secondary(src, lift(shard, wire, segs), dtype, wire, segs)
@@ -297,16 +326,178 @@ def gather_unit(shard, src, leaves, n, dtype, wire=PLAIN):
     return split_units(full, leaves, n)
 
 
+def gather_unit(shards, src, leaves, n, dtype, wire=PLAIN):
+    """Stage 3: a unit's logical values from this device's `[M?, k_i]` shards (differentiated;
+    their gradients are the reduced shards) and, under hpZ, its secondary shards `src` (from
+    `stack_source`: the unsplit leaves' and the split leaves')."""
+    if _model_axis():
+        return list(_tp_gather(tuple(shards), src, tuple(leaves), n, dtype, wire))
+    src = None if src is None else src[0]
+    return _gather_unit(jnp.concatenate(shards), src, leaves, n, dtype, wire)
+
+
+# With a model axis the unit's gather is one custom_vjp around the nested maps (forward: the
+# gather of each piece; backward: the reduce-scatter of each piece's cotangent), so that
+# differentiation never passes through a nested shard_map.
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _tp_gather(shards, src, leaves, n, dtype, wire):
+    if not wire.hpz:
+        return tuple(gather_units(list(shards), leaves, n, dtype, wire=wire))
+    return tuple(_per_group(lambda ls, s: split_units(
+        from_secondary(s, dtype, wire, segments(ls, n)), ls, n), leaves, [], [], LOGICAL,
+        shared=src))
+
+
+def _tp_gather_fwd(shards, src, leaves, n, dtype, wire):
+    return _tp_gather(shards, src, leaves, n, dtype, wire), jnp.zeros((), shards[0].dtype)
+
+
+def _tp_gather_bwd(leaves, n, dtype, wire, token, cts):
+    # In the reduction dtype (the shards'), not the compute dtype; under hpZ over "data" and
+    # then "replica", as gather_secondary and lift reduce.
+    return tuple(reduce_scatter_units(list(cts), leaves, n, token.dtype, wire)), None
+
+
+_tp_gather.defvjp(_tp_gather_fwd, _tp_gather_bwd)
+
+
+def _stack_source(xs, leaves, n, dtype, wire):
+    return secondary(jnp.concatenate(xs, axis=-1), dtype, wire, segments(leaves, n))
+
+
 def stack_source(xs, leaves, n, dtype, wire=PLAIN):
-    """What a stack's per-layer gathers read: its `[L, k_i]` shards, or hpZ's secondary."""
+    """What a unit's (or a stack's) gathers read besides its `[L?, M?, k_i]` shards: under
+    hpZ, (the unsplit leaves' secondary shard, the split leaves' `[L?, M, ...]`); else None."""
     if not wire.hpz:
         return None
-    return secondary(jnp.concatenate(xs, axis=-1), dtype, wire, segments(leaves, n))
+    lead = 1 if leaves[0].stacked else 0
+    xs = [lax.stop_gradient(x) for x in xs]  # no gradient flows through the secondary
+    out = []
+    for split in (False, True):
+        idx = [i for i, leaf in enumerate(leaves) if leaf.is_split == split]
+        if not idx:
+            out.append(None)
+            continue
+        ls, sel = [leaves[i] for i in idx], [xs[i] for i in idx]
+        if not _model_axis():
+            out.append(_stack_source(sel, ls, n, dtype, wire))
+            continue
+        spec = _spec(STORED, None, lead) if split else P()
+        fn = lambda *a, ls=ls, split=split: _put(
+            _stack_source([_take(x, STORED, lead) if split else x for x in a],
+                          _pieces(ls) if split else ls, n, dtype, wire), split, lead)
+        shapes = jax.eval_shape(fn, *[jnp.zeros(_local_shape(x, split, lead), x.dtype)
+                                      for x in sel])  # one device's view
+        out.append(_model_map(fn, tuple([spec] * len(sel)),
+                              jax.tree.map(lambda _, spec=spec: spec, shapes))(*sel))
+    return tuple(out)
 
 
 def gather_from(xs, src, i, leaves, n, dtype, wire=PLAIN):
     """Layer `i` of a stack, gathered without a gradient rule (prefetch's loops)."""
     if not wire.hpz:
         return gather_layer(xs, i, leaves, n, dtype, wire=wire)
-    src_i = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), src)
-    return split_units(from_secondary(src_i, dtype, wire, segments(leaves, n)), leaves, n)
+    at = lambda t: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), t)
+    return _per_group(lambda ls, s: split_units(from_secondary(s, dtype, wire, segments(ls, n)),
+                                                ls, n),
+                      leaves, [], [], LOGICAL, shared=(at(src[0]), at(src[1])))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model axis: a leaf's model pieces, each on its own device of "model".
+
+STORED, LOGICAL = "stored", "logical"  # a split leaf's value as stored ([M, ...]) or logical
+
+
+def _model_axis() -> bool:
+    """Whether the computation being traced has an automatic `model` axis (the step on a mesh
+    with one)."""
+    return MODEL in jax.sharding.get_abstract_mesh().axis_names
+
+
+def _model_map(fn, in_specs, out_specs):
+    """`fn` manual over "model" inside the step (manual over the batch axes already): each
+    device sees its own model piece of the split leaves."""
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                         out_specs=out_specs, axis_names=frozenset({MODEL}), check_vma=True)
+
+
+def _pieces(leaves):
+    return tuple(leaf.piece() for leaf in leaves)
+
+
+def _spec(kind, leaf, lead):
+    if kind == STORED:
+        return P(*[None] * lead, MODEL)
+    return leaf.split_spec(lead)
+
+
+def _take(x, kind, lead):
+    """A nested map's view of one model piece: a stored value loses its `[1]` model axis."""
+    return jnp.squeeze(x, lead) if kind == STORED else x
+
+
+def _put(x, split, lead):
+    return jax.tree.map(lambda a: jnp.expand_dims(a, lead), x) if split else x
+
+
+def _local_shape(x, split, lead):
+    """One model device's shape of a stored `x`: its model axis of size 1."""
+    return (*x.shape[:lead], 1, *x.shape[lead + 1:]) if split else x.shape
+
+
+def _per_group(fn, leaves, args, kinds, out_kind, shared=None, lead=0):
+    """`fn(leaves, *args, shared)` -> per-leaf values, run once for the unsplit leaves and once
+    for the split ones (`args`: per-leaf lists, each `kinds[j]`: STORED (`[M, ...]` at `lead`)
+    or LOGICAL (split over "model" on the split dimension); `shared`: (the unsplit group's,
+    the split group's) value, the latter STORED at 0; the outputs `out_kind`).
+
+    On a mesh with a model axis both groups run manual over "model": a split leaf's piece on
+    its own device, an unsplit one (replicated over "model") as it is. The unsplit group too,
+    so that no collective over "data" ever reads a value the compiler laid out over "model"
+    (XLA:CPU aborts on a bfloat16 all-reduce of such a value; a split weight's collective
+    would move every piece)."""
+    shared = (None, None) if shared is None else shared
+    out = [None] * len(leaves)
+    tp = _model_axis()
+    for split in (False, True):
+        idx = [i for i, leaf in enumerate(leaves) if leaf.is_split == split]
+        if not idx:
+            continue
+        ls = [leaves[i] for i in idx]
+        sel = [[a[i] for i in idx] for a in args]
+        sh = shared[split]
+        if not tp:
+            vals = fn(ls, *sel, sh)
+        else:
+            def body(sel, sh, ls=ls, split=split):
+                if split:
+                    sel = [[_take(x, kind, lead) for x in a] for a, kind in zip(sel, kinds)]
+                    sh = None if sh is None else jax.tree.map(lambda a: a[0], sh)
+                    ys = fn(list(_pieces(ls)), *sel, sh)
+                    return [y[(slice(None),) * lead + (None,)] if out_kind == STORED else y
+                            for y in ys]
+                return fn(ls, *sel, sh)
+            if split:
+                in_specs = ([[_spec(kind, leaf, lead) for leaf in ls] for kind in kinds],
+                            None if sh is None else jax.tree.map(lambda _: P(MODEL), sh))
+                out_specs = [_spec(out_kind, leaf, lead) for leaf in ls]
+            else:
+                in_specs = ([[P()] * len(ls) for _ in kinds],
+                            None if sh is None else jax.tree.map(lambda _: P(), sh))
+                out_specs = [P()] * len(ls)
+            vals = _model_map(body, in_specs, out_specs)(sel, sh)
+        for i, v in zip(idx, vals):
+            out[i] = v
+    return out
+
+
+def on_pieces(fn, leaf, x, x_stored: bool, out_stored: bool):
+    """`fn(x, leaf)`, on a mesh with a model axis manual over "model" (see `_per_group`): for
+    a split leaf `fn(piece of x, leaf.piece())` on each model device. `x` and the result are
+    logical values of the leaf (split over "model" on its split dimension) or stored ones
+    (`[L?, M?, ...]`), as the flags say."""
+    lead = 1 if leaf.stacked else 0
+    return _per_group(lambda ls, xs, _: [fn(xs[0], ls[0])], [leaf], [[x]],
+                      [STORED if x_stored else LOGICAL], STORED if out_stored else LOGICAL,
+                      lead=lead)[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 QMAX = {"int8": 127, "int4": 7}
 FORMATS = tuple(QMAX)
@@ -61,13 +62,17 @@ def encode(x, fmt: str, segments: tuple[int, ...], block: int):
     qmax = QMAX[fmt]
     slots, owner = _layout(segments, block)
     x = x.astype(jnp.float32)
-    padded = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
-    xb = jnp.take(padded, slots, axis=-1).reshape(*x.shape[:-1], -1, block)  # [..., nb, B]
+    # Every value below is computed from `x` (no array constant): a nested shard_map (the
+    # model axis) must not hold input-independent values, which partial evaluation would
+    # hoist out of it with the wrong sharding.
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
+    xb = _take(padded, slots)
+    xb = xb.reshape(*x.shape[:-1], -1, block)  # [..., nb, B]
     # A non-finite element makes the scale NaN (XLA's max need not propagate NaN).
-    s = jnp.where(jnp.all(jnp.isfinite(xb), axis=-1), jnp.max(jnp.abs(xb), axis=-1) / qmax,
-                  jnp.nan)  # [..., nb]
-    s_k = jnp.take(s, owner, axis=-1)  # [..., K]
-    q = jnp.clip(jnp.round(jnp.where(s_k > 0, x / s_k, 0.0)), -qmax, qmax)
+    amax = jnp.max(jnp.abs(xb), axis=-1)  # [..., nb]
+    s = lax.select(jnp.all(jnp.isfinite(xb), axis=-1), amax / qmax, amax * jnp.nan)
+    s_k = _take(s, owner)  # [..., K]
+    q = jnp.clip(jnp.round(lax.select(s_k > 0, x / s_k, x * 0.0)), -qmax, qmax)
     if fmt == "int8":
         return q.astype(jnp.int8), s
     u = (q + 8).astype(jnp.uint8)  # [1, 15]
@@ -84,4 +89,14 @@ def decode(values, scales, fmt: str, segments: tuple[int, ...], block: int, dtyp
         u = jnp.stack([values & 15, values >> 4], axis=-1).reshape(*values.shape[:-1], -1)
         q = u[..., :sum(segments)].astype(jnp.float32) - 8
     owner = _layout(segments, block)[1]
-    return (q * jnp.take(scales, owner, axis=-1)).astype(dtype)
+    return (q * _take(scales, owner)).astype(dtype)
+
+
+def _take(x, idx: np.ndarray):
+    """`x[..., idx]` for in-bounds numpy indices, as one gather: no index arithmetic is traced
+    (it would be an input-independent value, see `encode`)."""
+    dims = lax.GatherDimensionNumbers(offset_dims=tuple(range(x.ndim - 1)),
+                                      collapsed_slice_dims=(x.ndim - 1,),
+                                      start_index_map=(x.ndim - 1,))
+    return lax.gather(x, np.asarray(idx, np.int32)[:, None], dims, (*x.shape[:-1], 1),
+                      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)

@@ -8,7 +8,9 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from zerojax.mesh import MODEL
 from zerojax.units import PlainUnits
 
 _init = nn.initializers.normal(0.02)
@@ -135,6 +137,10 @@ class Embed(nn.Module):
 
 
 class Attention(nn.Module):
+    """Causal self-attention. The fused qkv projection's 3·D output columns are head-major,
+    `[H, 3, K]` (Megatron's order): a contiguous split of them over the model axis gives each
+    device whole heads with their q, k and v."""
+
     cfg: GPTConfig
 
     @nn.compact
@@ -142,8 +148,8 @@ class Attention(nn.Module):
         c = self.cfg
         B, T, D = x_BxTxD.shape
         qkv = nn.Dense(3 * D, kernel_init=_init, name="qkv")(x_BxTxD)
-        qkv_Bx3xTxHxK = qkv.reshape(B, T, 3, c.n_heads, D // c.n_heads)
-        q, k, v = (qkv_Bx3xTxHxK[:, :, i] for i in range(3))
+        qkv_BxTxHx3xK = qkv.reshape(B, T, c.n_heads, 3, D // c.n_heads)
+        q, k, v = (qkv_BxTxHx3xK[:, :, :, i] for i in range(3))
         o_BxTxD = dot_product_attention(q, k, v).reshape(B, T, D)
         return nn.Dense(D, kernel_init=_init, name="out")(o_BxTxD)
 
@@ -231,6 +237,23 @@ class GPT:
     def apply(self, params, inputs_BxT) -> jax.Array:
         """Logits from plain (exported) param arrays, without an engine."""
         return self.logits(params, inputs_BxT, PlainUnits())
+
+    def param_specs(self) -> dict:
+        """The tensor-parallel plan, Megatron's: per param leaf, the PartitionSpec over the
+        `model` mesh axis (DESIGN.md section 8). The qkv projection and the MLP's first layer
+        are split by their output features (whole heads: the columns are head-major), the
+        attention output and the MLP's second layer by their input features, the token
+        embedding and the head by the vocabulary; position embeddings, LayerNorms and the
+        biases added after a reduction are replicated. Per layer and step that is one
+        all-reduce of the activations over `model` after attention and one after the MLP,
+        forward and backward."""
+        blocks = {"ln1": {"scale": None, "bias": None}, "ln2": {"scale": None, "bias": None},
+                  "attn": {"qkv": {"kernel": P(None, None, MODEL), "bias": P(None, MODEL)},
+                           "out": {"kernel": P(None, MODEL, None), "bias": None}},
+                  "mlp": {"fc": {"kernel": P(None, None, MODEL), "bias": P(None, MODEL)},
+                          "out": {"kernel": P(None, MODEL, None), "bias": None}}}
+        return {"embed": {"tok": P(MODEL, None), "pos": None}, "blocks": blocks,
+                "final": {"ln": {"scale": None, "bias": None}, "head": {"kernel": P(None, MODEL)}}}
 
     def num_params(self) -> int:
         c = self.cfg

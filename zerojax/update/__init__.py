@@ -31,13 +31,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
-from zerojax.mesh import DATA
+from zerojax.mesh import DATA, MODEL
 from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
 from zerojax.update.offload import DEVICE, HOST, run_offloaded, to_memory
 from zerojax.update.owners import Owners
 from zerojax.update.program import Program
-from zerojax.update.reps import WHOLE, Flat, Phys
+from zerojax.update.reps import WHOLE, Flat, Phys, from_pieces, leaf_phys, pad_global
 
 LARGE = 1 << 16  # elements: a replicated optimizer-state leaf this large is stored flat instead
 
@@ -101,8 +101,7 @@ class ShardedUpdate:
         self.optimizer, self.layout, self.how, self.axis = optimizer, layout, how, axis
         self.owners = owners  # whole-matrix work on owner devices (False: on every device)
         self.shards = layout.shards
-        self.phys = [Phys(leaf.shape[0] if leaf.stacked else None, leaf.size, layout.shards)
-                     for leaf in layout.leaves]
+        self.phys = [leaf_phys(leaf, layout.shards) for leaf in layout.leaves]
         self.param_reps = [Flat(ph, leaf.shape) for ph, leaf in zip(self.phys, layout.leaves)]
         logical = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
                                    for leaf in layout.leaves)
@@ -235,9 +234,10 @@ class ShardedUpdate:
     def specs(self):
         """PartitionSpecs of the stored optimizer state."""
         def spec(rep):
-            if not isinstance(rep, Flat) or self.layout.replicated:
+            if not isinstance(rep, Flat):
                 return P()
-            return P(None, self.axis) if rep.phys.lead is not None else P(self.axis)
+            dims = [None] * (rep.phys.lead is not None) + [MODEL] * (rep.phys.pieces > 1)
+            return P(*dims, None if self.layout.replicated else self.axis)
         return jax.tree.unflatten(self.state_def, [spec(r) for r in self.state_reps])
 
     def abstract(self):
@@ -251,13 +251,15 @@ class ShardedUpdate:
         """Logical optimizer state -> the stored layout (global view, inside jit)."""
         leaves = self.state_def.flatten_up_to(logical_state)
         return jax.tree.unflatten(self.state_def, [
-            _pad(x, r) if isinstance(r, Flat) else x for x, r in zip(leaves, self.state_reps)])
+            pad_global(x, r.phys) if isinstance(r, Flat) else x
+            for x, r in zip(leaves, self.state_reps)])
 
     def logical(self, stored_state):
         """The stored optimizer state -> logical shapes (global view, inside jit)."""
         leaves = self.state_def.flatten_up_to(stored_state)
         return jax.tree.unflatten(self.state_def, [
-            jnp.reshape(x[..., :r.phys.unit], r.shape) if isinstance(r, Flat) else x
+            jnp.reshape(from_pieces(x[..., :r.phys.piece], r.phys), r.shape)
+            if isinstance(r, Flat) else x
             for x, r in zip(leaves, self.state_reps)])
 
     def init(self, params):
@@ -287,13 +289,6 @@ class ShardedUpdate:
                 "control_flow_with_collectives": len(prog.syncs),
                 "state": {"sharded": sum(isinstance(r, Flat) for r in self.state_reps),
                           "replicated": sum(not isinstance(r, Flat) for r in self.state_reps)}}
-
-
-def _pad(x, rep: Flat):
-    lead = () if rep.phys.lead is None else (rep.phys.lead,)
-    x = jnp.reshape(x, (*lead, rep.phys.unit))
-    pad = rep.phys.k * rep.phys.shards - rep.phys.unit
-    return jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
 
 
 __all__ = ["DEVICE", "HOST", "ShardedUpdate", "StepUpdate", "as_transformation", "step_update",

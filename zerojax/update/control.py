@@ -17,7 +17,7 @@ from jax import lax
 from zerojax.collectives import vary
 from zerojax.update.interpret import Planner, shard_jaxpr
 from zerojax.update.program import Program
-from zerojax.update.reps import WHOLE, Bcast, Flat, Partial, Phys, join
+from zerojax.update.reps import WHOLE, Bcast, Flat, Partial, join
 
 _MAX_FIXED_POINT = 8
 
@@ -79,7 +79,7 @@ def plan_cond(p: Planner, eqn, ins):
 def _stack(rep, length):
     """The rep of a scan's stacked output from its body's rep."""
     if isinstance(rep, Flat) and rep.phys.lead is None:
-        return Flat(Phys(length, rep.phys.unit, rep.phys.shards), (length, *rep.shape))
+        return Flat(rep.phys.stacked(length), (length, *rep.shape))
     return WHOLE
 
 

@@ -20,24 +20,45 @@ from jax import lax
 
 @dataclass(frozen=True)
 class Phys:
-    """How a flat-sharded value is stored: `[N·k]`, or `[L, N·k]` for a stacked one."""
+    """How a flat-sharded value is stored: `[N·k]`, `[L, N·k]` for a stacked one, and with the
+    `model` axis before the flat one for a value split over "model": `[L?, M, N·k]`.
+
+    A split unit is read as `[outer, M, block]` (its split dimension cut into M contiguous
+    blocks); model piece m is `[:, m, :]`, flattened, padded and sharded over the data axis.
+    """
 
     lead: int | None  # L of a stacked value; None: one unit
     unit: int  # U: logical elements per unit
     shards: int  # N: devices on the data axis (1: every device holds all of it)
+    pieces: int = 1  # M: model pieces of a unit (1: not split over "model")
+    block: int = 0  # elements of one piece's contiguous run (split: the split dim's block size
+    #                 times the elements of the dims after it); 0 when not split
+
+    @property
+    def piece(self) -> int:
+        """Logical elements of one model piece of a unit."""
+        return self.unit // self.pieces
 
     @property
     def k(self) -> int:
-        return -(-self.unit // self.shards)
+        return -(-self.piece // self.shards)
+
+    @property
+    def mid(self) -> tuple[int, ...]:
+        """The axes between the layer axis and the flat one: `(M,)` when split."""
+        return (self.pieces,) if self.pieces > 1 else ()
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (self.k,) if self.lead is None else (self.lead, self.k)
+        return (*self._lead, *self.mid, self.k)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        n = self.k * self.shards
-        return (n,) if self.lead is None else (self.lead, n)
+        return (*self._lead, *self.mid, self.k * self.shards)
+
+    @property
+    def _lead(self) -> tuple[int, ...]:
+        return () if self.lead is None else (self.lead,)
 
     @property
     def size(self) -> int:
@@ -45,10 +66,23 @@ class Phys:
 
     @property
     def padded(self) -> bool:
-        return self.k * self.shards != self.unit
+        return self.k * self.shards != self.piece
 
     def unit_phys(self) -> Phys:
-        return Phys(None, self.unit, self.shards)
+        return Phys(None, self.unit, self.shards, self.pieces, self.block)
+
+    def stacked(self, length: int) -> Phys:
+        return Phys(length, self.unit, self.shards, self.pieces, self.block)
+
+
+def leaf_phys(leaf, shards: int) -> Phys:
+    """The Phys of a parameter leaf (`partition.LeafSpec`) over `shards` data devices."""
+    lead = leaf.shape[0] if leaf.stacked else None
+    if not leaf.is_split:
+        return Phys(lead, leaf.size, shards)
+    inner = math.prod(leaf.unit_shape[leaf.split + 1:])
+    return Phys(lead, leaf.size, shards, leaf.pieces,
+                leaf.unit_shape[leaf.split] // leaf.pieces * inner)
 
 
 @dataclass(frozen=True)
@@ -104,13 +138,50 @@ def join(a: Rep, b: Rep) -> Rep:
 def flat_index(phys: Phys, d):
     """(the logical flat index of each local element, whether it is not padding), on the
     device at position `d` of the data axis. Every value of one layout shares them."""
-    g = d * phys.k + lax.iota(jnp.int32, phys.k)  # [k]
-    valid = g < phys.unit
+    g = d * phys.k + lax.iota(jnp.int32, phys.k)  # [k]: the index within a model piece
+    valid = g < phys.piece
+    if phys.pieces > 1:  # piece m of [outer, M, block] -> the unit's index
+        shape = (phys.pieces, phys.k)
+        m = lax.broadcasted_iota(jnp.int32, shape, 0)
+        g = lax.broadcast_in_dim(g, shape, (1,))
+        b = jnp.int32(phys.block)
+        g = lax.div(g, b) * jnp.int32(phys.pieces * phys.block) + m * b + lax.rem(g, b)
+        valid = lax.broadcast_in_dim(valid, shape, (1,))
     if phys.lead is not None:
-        layer = lax.broadcasted_iota(jnp.int32, phys.local_shape, 0)
-        g = layer * phys.unit + lax.broadcast_in_dim(g, phys.local_shape, (1,))  # [L, k]
-        valid = lax.broadcast_in_dim(valid, phys.local_shape, (1,))
+        shape = phys.local_shape
+        layer = lax.broadcasted_iota(jnp.int32, shape, 0)
+        dims = tuple(range(1, len(shape)))
+        g = layer * phys.unit + lax.broadcast_in_dim(g, shape, dims)  # [L, M?, k]
+        valid = lax.broadcast_in_dim(valid, shape, dims)
     return g, valid
+
+
+def to_pieces(x, phys: Phys):
+    """`[*lead, U]` -> `[*lead, M?, U/M]`: each model piece's elements in a row."""
+    if phys.pieces == 1:
+        return x
+    lead = x.shape[:-1]
+    x = jnp.reshape(x, (*lead, phys.unit // (phys.pieces * phys.block), phys.pieces, phys.block))
+    x = jnp.moveaxis(x, -2, len(lead))
+    return jnp.reshape(x, (*lead, phys.pieces, phys.piece))
+
+
+def from_pieces(x, phys: Phys):
+    """Inverse of `to_pieces`: `[*lead, M?, U/M]` -> `[*lead, U]`."""
+    if phys.pieces == 1:
+        return x
+    lead = x.shape[:-2]
+    x = jnp.reshape(x, (*lead, phys.pieces, phys.unit // (phys.pieces * phys.block), phys.block))
+    x = jnp.moveaxis(x, len(lead), -2)
+    return jnp.reshape(x, (*lead, phys.unit))
+
+
+def pad_global(x, phys: Phys):
+    """A whole logical value -> its padded flat global form `[L?, M?, N·k]`."""
+    lead = () if phys.lead is None else (phys.lead,)
+    x = to_pieces(jnp.reshape(x, (*lead, phys.unit)), phys)
+    pad = phys.k * phys.shards - phys.piece
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
 
 
 def unravel(flat, shape):
@@ -135,16 +206,16 @@ def select(valid, x, fill):
 def to_flat(x, rep: Flat, d):
     """A whole logical value -> the part of it on the device at position `d`."""
     phys = rep.phys
-    lead = () if phys.lead is None else (phys.lead,)
     if math.prod(jnp.shape(x)) == 1:  # one value: every element of the part is it
         return lax.broadcast_in_dim(jnp.reshape(x, ()), phys.local_shape, ())
-    x = jnp.reshape(x, (*lead, phys.unit))
-    pad = phys.k * phys.shards - phys.unit
+    lead = () if phys.lead is None else (phys.lead,)
+    x = to_pieces(jnp.reshape(x, (*lead, phys.unit)), phys)
+    pad = phys.k * phys.shards - phys.piece
     if pad:
-        x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * len(lead) + [(0, pad, 0)])
+        x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * (x.ndim - 1) + [(0, pad, 0)])
     if phys.shards == 1:
         return x
-    return lax.dynamic_slice_in_dim(x, d * phys.k, phys.k, axis=len(lead))
+    return lax.dynamic_slice_in_dim(x, d * phys.k, phys.k, axis=x.ndim - 1)
 
 
 def bcast_to_flat(operand, b: Bcast, rep: Flat, flat, valid):
@@ -159,8 +230,8 @@ def bcast_to_flat(operand, b: Bcast, rep: Flat, flat, valid):
 
 
 def from_flat(x, rep: Flat):
-    """The gathered `[..., N·k]` -> the logical value."""
-    return jnp.reshape(x[..., : rep.phys.unit], rep.shape)
+    """The gathered `[L?, M?, N·k]` -> the logical value."""
+    return jnp.reshape(from_pieces(x[..., : rep.phys.piece], rep.phys), rep.shape)
 
 
 def segment_reduce(x, flat, valid, rep: Flat, axes, name):
