@@ -417,9 +417,23 @@ def _model_axis() -> bool:
 
 def _model_map(fn, in_specs, out_specs):
     """`fn` manual over "model" inside the step (manual over the batch axes already): each
-    device sees its own model piece of the split leaves."""
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
-                         out_specs=out_specs, axis_names=frozenset({MODEL}), check_vma=True)
+    device sees its own model piece of the split leaves.
+
+    Traced without the varying-axes check, then each output typed as the checked map types
+    it: jax 0.10's partial evaluation of a checked nested map (remat, linearize) hoists its
+    input-independent values (the literals the check makes varying) with specs naming the
+    outer manual axes, which the lowering rejects."""
+    kw = dict(mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
+              axis_names=frozenset({MODEL}))
+    checked = jax.shard_map(fn, check_vma=True, **kw)
+    unchecked = jax.shard_map(fn, check_vma=False, **kw)
+
+    def run(*args):
+        want = jax.eval_shape(checked, *args)
+        return jax.tree.map(lambda y, w: vary(y, tuple(sorted(w.manual_axis_type.varying))),
+                            unchecked(*args), want)
+
+    return run
 
 
 def _pieces(leaves):
