@@ -132,7 +132,7 @@ class NNXModel:
                             else jax.numpy.zeros_like(x), self._rngs)
 
     def _call_rngs(self, units) -> nnx.Rngs:
-        """The third argument of `loss_fn`: streams "default" and those of `rngs=`, keyed by
+        """`loss_fn`'s `rngs=`: streams "default" and those of `from_nnx(rngs=)`, keyed by
         the step (fixed per evaluation in `engine.evaluate`). Units without keys (a bare
         `PlainUnits()`) get fixed keys: NNX modules read their stream even when deterministic."""
         key = fresh_key(units)
