@@ -23,8 +23,9 @@ import pytest
 from conftest import FAST_COMPILE
 from helpers import sweep
 
-from zerojax.app import options, peers, resume, sample, train
+from zerojax.app import options, peers, report, resume, sample, train
 from zerojax.app.data import embedded_corpus
+from zerojax.app.files import RunFileError
 from zerojax.models import GPT
 from zerojax.update import presets
 
@@ -333,6 +334,81 @@ def test_cut_off_metrics_record_is_dropped(tmp_path):
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # not what a crash leaves
     with pytest.raises(options.UsageError, match="line 2 is not a JSON record"):
         resume.drop_cut_off_record(path)
+
+
+def full_disk(monkeypatch):
+    """Every file opened for writing from now on is opened (so "w" truncates, as the kernel
+    does), but its writes fail with ENOSPC."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        writelines = write
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        return Full(f) if any(c in mode for c in "wax+") else f
+
+    monkeypatch.setattr(builtins, "open", opened)
+
+
+METRICS = b'{"step": 0, "eval_loss": 4.2}\n{"step": 1, "loss": 4.1}\n{"step": 2, "loss": 4.0}\n'
+
+
+def test_resume_on_a_full_disk_keeps_metrics_byte_identical(tmp_path, capsys, monkeypatch):
+    """Dropping the records past the resumed step replaces the file; a write that fails for
+    lack of space leaves it as it was and stops `zerojax train` with one line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(METRICS)
+    log = report.MetricsLog(path, start=1)  # a normal resume drops step 2
+    assert path.read_bytes() == METRICS[:METRICS.index(b'{"step": 2')]
+    assert [r["step"] for r in log.records] == [0, 1]
+    log.write({"step": 2, "loss": 3.9})
+    assert [r["step"] for r in report.MetricsLog(path, start=2).records] == [0, 1, 2]
+
+    path.write_bytes(METRICS)
+    with monkeypatch.context() as m:
+        full_disk(m)
+        assert report.MetricsLog(path, start=2).records[-1] == {"step": 2, "loss": 4.0}
+        with pytest.raises(RunFileError, match=(
+                rf"^cannot write {path}: no space left on its device \([\d,.]+ (MB|bytes) "
+                rf"free\); metrics.jsonl is as it was. Free some space and run again$")):
+            report.MetricsLog(path, start=1)  # nothing to drop at 2: nothing written
+        assert path.read_bytes() == METRICS
+        m.setattr(train, "start_runtime", lambda cfg: None)
+        m.setattr(train, "train", lambda *args: report.MetricsLog(path, start=1))
+        assert train.main(["--model", "nano", "--steps", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"zerojax train: error: cannot write {path}")
+    assert path.read_bytes() == METRICS
+    # The move over the old file fails: the same, and no temporary file is left.
+    monkeypatch.setattr(os, "replace", lambda *a: full_disk_error())
+    with pytest.raises(RunFileError, match="metrics.jsonl is as it was"):
+        report.MetricsLog(path, start=1)
+    assert path.read_bytes() == METRICS and not list(tmp_path.glob("*.tmp"))
+
+
+def full_disk_error():
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_schedule_note_gives_the_lr_before_and_after():

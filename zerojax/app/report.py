@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from pathlib import Path
@@ -31,6 +32,7 @@ from zerojax.analysis.accounting import (
     state_estimate,
 )
 from zerojax.analysis.measurement import on_host
+from zerojax.app.files import replace_file
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 
@@ -186,30 +188,28 @@ def _clock(seconds: float) -> str:
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per step; on resume, records past `start` are dropped."""
+    """`metrics.jsonl`: one JSON object per step; on resume, records past `start` are dropped
+    (the file is then replaced, never rewritten in place: see `files.replace_file`)."""
 
     def __init__(self, path: Path, start: int, enabled: bool = True):
         self.path, self.enabled = path, enabled
         self.records: list[dict[str, Any]] = []
         if not enabled:
             return
-        if start > 0 and path.exists():
-            self.records = [r for r in read_metrics(path) if r["step"] <= start]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        old = path.read_bytes() if path.is_file() else None
+        lines = (old or b"").splitlines(keepends=True) if start > 0 else []
+        kept = [x for x in lines if x.strip() and json.loads(x)["step"] <= start]
+        if kept and not kept[-1].endswith(b"\n"):
+            kept[-1] += b"\n"  # the next record starts a line of its own
+        self.records = [json.loads(line) for line in kept]
+        if b"".join(kept) != old:
+            replace_file(path, b"".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl`."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -232,12 +232,14 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    replace_file(path, png.getvalue())
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Writes `obj` as indented JSON; non-finite floats become null."""
+    """Writes `obj` as indented JSON (replacing the file); non-finite floats become null."""
     def clean(x):
         if isinstance(x, float) and not math.isfinite(x):
             return None
@@ -247,7 +249,7 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
             return [clean(v) for v in x]
         return x
 
-    path.write_text(json.dumps(clean(obj), indent=2) + "\n")
+    replace_file(path, (json.dumps(clean(obj), indent=2) + "\n").encode())
 
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg,
