@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zerojax.collectives import vary
-from zerojax.update.evaluate import run
+from zerojax.update.evaluate import run, vary_all_to
 from zerojax.update.placement import Placement
 from zerojax.update.program import Op, vary_all
 from zerojax.update.reps import WHOLE, Flat
@@ -176,8 +175,8 @@ def _work(p, wave, placements, args) -> list[list[int]]:
     def slots(g, a, vals, lo, hi):
         """The region over slots lo..hi-1: outputs [hi - lo, ...]."""
         if hi == lo:
-            return tuple(vary_all_like(jnp.zeros((0, *unit(g, e)), p.aval[k].dtype), vals)
-                         for e, k in enumerate(g.out_keys))
+            return tuple(vary_all_to([jnp.zeros((0, *unit(g, e)), p.aval[k].dtype)
+                                      for e, k in enumerate(g.out_keys)], vals))
         sliced = [v if ax is None else v[lo:hi] for v, (_, ax) in zip(vals, a)]
         return g.run(sliced, [ax for _, ax in a], hi - lo)
 
@@ -195,7 +194,7 @@ def _work(p, wave, placements, args) -> list[list[int]]:
                 for g, a, v, pl, e, top in zip(wave, args, per_group, placements, q, tops):
                     for x in slots(g, a, v, pl.common, pl.common + e):
                         outs.append(jnp.pad(x, [(0, top - e)] + [(0, 0)] * (x.ndim - 1)))
-                return tuple(vary_all_like(x, vals) for x in outs)
+                return tuple(vary_all_to(outs, vals))
             return b
 
         extra = iter(lax.switch(jnp.asarray(which)[d], [branch(q) for q in profiles], *vals))
@@ -213,14 +212,6 @@ def _work(p, wave, placements, args) -> list[list[int]]:
         out.append(flat[i:i + len(g.out_keys)])
         i += len(g.out_keys)
     return out
-
-
-def vary_all_like(x, like):
-    """`x` typed varying over every axis that any of `like` varies over."""
-    axes = set()
-    for y in like:
-        axes |= set(jax.typeof(y).mat.varying)
-    return vary(x, tuple(sorted(axes)))
 
 
 def _exchange_out(p, g: Group, pl: Placement, results: list[int]) -> None:
