@@ -28,7 +28,7 @@ from zerojax.errors import (
 )
 from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
 from zerojax.protocol import Model, Units
-from zerojax.step import TrainState
+from zerojax.state import TrainState
 
 __version__ = "0.1.0"
 
