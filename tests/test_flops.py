@@ -37,7 +37,7 @@ def test_peaks_by_device_kind_specific_names_first():
     assert {k: zj.peak_tflops(k) for k in expected} == expected
     assert zj.peak_tflops(jax.devices()[0]) is None
     cpu = jax.devices()[0]
-    assert flops.run_peak(cpu, "bfloat16") == (None, "no peak known for cpu (give "
+    assert flops.run_peak(cpu, "bfloat16") == (None, "cpu is not in the peak table (give "
                                                      "--peak-tflops)")
     assert flops.run_peak(cpu, "float32", 50.0) == (50.0, "--peak-tflops")
     assert flops.run_peak(cpu, "float32")[0] is None

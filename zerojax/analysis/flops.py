@@ -49,7 +49,7 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 # or FP32) the table does not give; --peak-tflops / `peak=` says it.
 PEAK_DTYPES = ("bfloat16", "float16")
 
-FORMULA = "6·N + 12·L·T·d per token (PaLM app. B; N without the embedding tables; no remat)"
+FORMULA = "6·N + 12·L·T·d per token (PaLM app. B)"  # N: params without the embeddings
 
 
 def peak_tflops(device: jax.Device | str | None = None) -> float | None:
@@ -111,10 +111,10 @@ def run_peak(device: jax.Device, dtype: str, given: float | None = None
     if given:
         return given, "--peak-tflops"
     if dtype not in PEAK_DTYPES:
-        return None, f"{dtype} compute (the table is bf16/fp16; give --peak-tflops)"
+        return None, f"{dtype} compute (the peak table is bf16/fp16: give --peak-tflops)"
     peak = peak_tflops(device)
     if peak is None:
-        return None, f"no peak known for {device.device_kind} (give --peak-tflops)"
+        return None, f"{device.device_kind} is not in the peak table (give --peak-tflops)"
     return peak, f"{device.device_kind}, dense {dtype}"
 
 

@@ -266,7 +266,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.memory_rows(estimate, measured, measured_host)
         + report.comm_rows(cfg, num_params, len(devices))
-        + [("flops", f"{flops.format_flops(step_flops)} per step ({flops.FORMULA}); "
+        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.FORMULA}; "
                      + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
                         else f"no MFU: {peak_from}"))]
         + [("note", n) for n in notes], "zerojax train"))
