@@ -133,6 +133,19 @@ def sweep(values, quick):
             for v in values]
 
 
+def by_tag(records: list[dict], dtype=np.float32) -> dict[str, dict[int, float]]:
+    """What a run's sinks should hold of `records`: each value by tag and step, in `dtype`
+    (TensorBoard keeps float32, W&B float64)."""
+    from zerojax.app.sinks import TAGS
+
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        for k, v in r.items():
+            if k in TAGS:
+                out.setdefault(TAGS[k], {})[r["step"]] = float(dtype(v))
+    return out
+
+
 def tensorboard_scalars(out, path=None) -> dict[str, dict[int, float]]:
     """The scalars of a run's TensorBoard event files (or of one file, `path`) by tag and step,
     as TensorBoard's reader sees them."""

@@ -5,9 +5,9 @@ import json
 
 import numpy as np
 import pytest
-from helpers import tensorboard_scalars, wandb_history
+from helpers import by_tag, tensorboard_scalars, wandb_history
 
-from zerojax.app.sinks import TAGS, MetricsWriter
+from zerojax.app.sinks import MetricsWriter
 
 
 def record(step: int, base: float) -> dict:
@@ -25,16 +25,6 @@ def write(out, start: int, steps, base: float, **kw) -> list[dict]:
         log.write(record(s, base))
     log.close()
     return log.records
-
-
-def by_tag(records: list[dict], dtype=np.float32) -> dict[str, dict[int, float]]:
-    """What the sinks should hold: each record's values by tag (TensorBoard keeps float32)."""
-    out: dict[str, dict[int, float]] = {}
-    for r in records:
-        for k, v in r.items():
-            if k in TAGS:
-                out.setdefault(TAGS[k], {})[r["step"]] = float(dtype(v))
-    return out
 
 
 def test_tensorboard_holds_each_step_once_across_resumes(tmp_path):

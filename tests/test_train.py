@@ -22,9 +22,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE
-from helpers import sweep, tensorboard_scalars, wandb_history
+from helpers import by_tag, sweep, tensorboard_scalars, wandb_history
 
-from zerojax.app import options, peers, resume, sample, sinks, train
+from zerojax.app import options, peers, resume, sample, train
 from zerojax.app.data import embedded_corpus
 from zerojax.models import GPT
 from zerojax.update import presets
@@ -65,12 +65,7 @@ def records(out: Path) -> list[dict]:
 
 def logged(out: Path, dtype=np.float32) -> dict[str, dict[int, float]]:
     """metrics.jsonl by TensorBoard tag and step (TensorBoard keeps float32)."""
-    out_: dict[str, dict[int, float]] = {}
-    for r in records(out):
-        for k, v in r.items():
-            if k in sinks.TAGS:
-                out_.setdefault(sinks.TAGS[k], {})[r["step"]] = float(dtype(v))
-    return out_
+    return by_tag(records(out), dtype)
 
 
 def losses(out: Path) -> np.ndarray:
