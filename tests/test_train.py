@@ -383,6 +383,7 @@ def test_non_finite_loss_stops_and_is_never_saved(tmp_path, tokens64, capsys, mo
 
 @pytest.mark.slow
 def test_float16_logs_the_loss_scale_and_skipped_steps(tmp_path, tokens64, monkeypatch):
+    jax.devices()  # the backend starts with the suite's 8 devices, before main sets --devices
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
     args = [*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "5", "--param-dtype",
             "float16", "--lr", "1e3", "--warmup", "0", "--schedule", "constant", "--clip-norm",
