@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from zerojax.analysis.flops import run_peak
 from zerojax.analysis.measurement import peaks
 from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
 from zerojax.app.report import state_bytes_per_device
@@ -56,11 +57,6 @@ ZEROPP = {
 WARMUP_STEPS = 2  # after the compiling call
 LR = 3e-4
 OPTIMIZER_CHOICES = ("adamw", "clip-adamw", "lamb", "adafactor", "muon")
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity), matched in this order as substrings of
-# `jax.devices()[0].device_kind` (e.g. "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA GH200
-# 480GB" matches h200's 989); --peak-flops overrides.
-PEAK_BF16 = {"h100 pcie": 756e12, "h100 nvl": 835e12, "h100": 989e12, "h200": 989e12,
-             "a100": 312e12, "b200": 2250e12}
 FLOPS_FORMULA = ("model FLOPs per token = 6·Ψ + 12·L·T·d (PaLM app. B): Ψ the matmul params "
                  "(without the embedding tables), L layers, T seq len, d width; no remat "
                  "recompute; MFU = FLOPs/token × tokens/s ÷ (N × peak bf16 FLOP/s)")
@@ -558,12 +554,10 @@ def _cpu_name() -> str:
 
 
 def peak_flops(args, dev) -> float | None:
-    if args.peak_flops:
-        return args.peak_flops
-    if dev.platform != "gpu" or args.param_dtype == "float32":
-        return None
-    kind = dev.device_kind.lower()
-    return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+    """--peak-flops, else the library's dense bf16/fp16 peak of `dev`
+    (`zerojax.analysis.flops.PEAK_TFLOPS`) for a bf16/fp16 run."""
+    peak, _ = run_peak(dev, args.param_dtype, args.peak_flops and args.peak_flops / 1e12)
+    return None if peak is None else peak * 1e12
 
 
 def table(result: dict) -> str:

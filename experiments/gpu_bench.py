@@ -235,7 +235,7 @@ def markdown(parts: dict) -> str:
             f"{_size(m['device_memory_bytes'])} each (as XLA's allocator reports it); "
             f"jax {m['jax']}",
             f"- peak: {f'{peak / 1e12:.0f} TFLOP/s dense bf16' if peak else 'unknown (no MFU)'}"
-            f" per device, from `bench.PEAK_BF16` by device kind",
+            f" per device, from `zerojax.analysis.flops.PEAK_TFLOPS` by device kind",
             f"- model: {cfg['preset']} ({cfg['num_params']:,} params), global batch "
             f"{cfg['batch']} × {cfg['seq_len']} tokens, {cfg['param_dtype']} compute, float32 "
             f"master and AdamW moments, remat per layer {cfg['remat']}, clip {cfg['clip_norm']}",

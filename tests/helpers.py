@@ -131,3 +131,69 @@ def sweep(values, quick):
     return [v if v in quick else pytest.param(*(v if isinstance(v, tuple) else (v,)),
                                               marks=pytest.mark.slow)
             for v in values]
+
+
+def by_tag(records: list[dict], dtype=np.float32) -> dict[str, dict[int, float]]:
+    """What a run's sinks should hold of `records`: each value by tag and step, in `dtype`
+    (TensorBoard keeps float32, W&B float64)."""
+    from zerojax.app.sinks import TAGS
+
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        for k, v in r.items():
+            if k in TAGS:
+                out.setdefault(TAGS[k], {})[r["step"]] = float(dtype(v))
+    return out
+
+
+def tensorboard_scalars(out, path=None) -> dict[str, dict[int, float]]:
+    """The scalars of a run's TensorBoard event files (or of one file, `path`) by tag and step,
+    as TensorBoard's reader sees them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path or out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def wandb_history(out) -> list[dict]:
+    """The offline W&B runs in `out/wandb`, oldest first: each one's id, project, config and
+    history ({tag: {step: value}}), from its transaction log (`run-ID.wandb`).
+
+    wandb has no reader for these files: they are LevelDB log blocks (32 KiB; 7-byte record
+    headers: CRC, length, type full/first/middle/last) after a 7-byte ":W&B" header, holding
+    `wandb_internal_pb2.Record`s."""
+    import json
+    import struct
+
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # `finish` leaves the writing to wandb's service; this waits for it
+    runs = []
+    for path in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, part, run = path.read_bytes(), 7, b"", {"history": {}, "config": {}}
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind not in (1, 4):  # full, or the last piece of a record
+                continue
+            r = wandb_internal_pb2.Record()
+            r.ParseFromString(part)
+            part = b""
+            if r.WhichOneof("record_type") == "run":
+                run |= {"id": r.run.run_id, "project": r.run.project}
+                run["config"] |= {u.key: json.loads(u.value_json) for u in r.run.config.update}
+            elif r.WhichOneof("record_type") == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                       for i in r.history.item}
+                step = row.pop("_step")
+                for tag, v in row.items():
+                    if not tag.startswith("_"):
+                        run["history"].setdefault(tag, {})[step] = v
+        runs.append(run)
+    return runs

@@ -691,3 +691,115 @@ class PlainApply:
 
     def __call__(self, *args, **kwargs):
         return self.module.apply({"params": self.params}, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the loss's arguments
+
+
+def test_linen_loss_flags_keep_their_defaults():
+    """Only a parameter named `rngs` gets the step's keys: `deterministic=False` keeps dropout
+    on (at lr 0 the steps' losses differ by their masks alone), `smoothing=0.0` stays 0.0."""
+    from zerojax.units import PlainUnits
+
+    def loss(apply, b, deterministic=False, smoothing=0.0):
+        return jnp.mean(jnp.square(apply(b["x"], train=not deterministic) - 1)) + smoothing
+
+    rows = xs_batch(0)
+    zm = zj.from_linen(DirectDrop(), loss, rows["x"][:1])
+    engine = zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=2), zj.ZeroConfig(stage=0))
+    state = engine.init(jax.random.key(0), rows)
+    losses = []
+    for _ in range(2):
+        state, m = engine.step(state, rows)
+        losses.append(float(m["loss"]))
+    off = float(loss(PlainApply(DirectDrop(), engine.params(state)), rows, deterministic=True))
+    assert losses[0] != losses[1], losses
+    assert all(abs(v - off) > 0.01 * off for v in losses), (losses, off)
+    # The second extra parameter alone: its default, not a dict of keys.
+    smooth = lambda apply, b, smoothing=0.0: loss(apply, b, True, smoothing)  # noqa: E731
+    params = engine.params(state)
+    got = zj.from_linen(DirectDrop(), smooth, rows["x"][:1]).loss(params, rows, PlainUnits())
+    assert float(got) == pytest.approx(off, rel=1e-6)
+
+
+class NNXDrop(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(XD, XD, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, deterministic=None, rngs=None):
+        return self.drop(self.fc(x), deterministic=deterministic, rngs=rngs)
+
+
+def test_nnx_loss_flags_keep_their_defaults_and_rngs_gets_the_keys():
+    from zerojax.units import PlainUnits
+
+    x = xs_batch(0)["x"]
+
+    def values(loss):
+        zm = zj.from_nnx(NNXDrop(nnx.Rngs(0)), loss)
+        run = jax.jit(lambda p, k: zm.loss(p, x, PlainUnits(rng=k)))
+        return [float(run(zm.init(None), jax.random.key(k))) for k in (0, 1)]
+
+    on = values(lambda m, b, deterministic=False: m(b, deterministic).mean())
+    off = values(lambda m, b, deterministic=True: m(b, deterministic).mean())
+    assert on[0] != on[1] and off[0] == off[1], (on, off)
+    assert all(abs(v - off[0]) > 1e-3 * abs(off[0]) for v in on), (on, off)
+    # `rngs` by keyword (keyword-only, or with a default): the step's keys, used at call time.
+    for loss in (lambda m, b, *, rngs: m(b, rngs=rngs).mean(),
+                 lambda m, b, scale=1.0, rngs=None: scale * m(b, rngs=rngs).mean()):
+        got = values(loss)
+        assert got[0] != got[1] and all(abs(v - off[0]) > 1e-3 * abs(off[0]) for v in got)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_loss_parameter_without_default_is_a_model_error(kind):
+    x = xs_batch(0)["x"]
+
+    def make(loss):
+        if kind == "linen":
+            return zj.from_linen(DirectDrop(), loss, x[:1])
+        return zj.from_nnx(NNXDrop(nnx.Rngs(0)), loss)
+
+    def loss(model, b, weights, rngs=None):
+        return jnp.mean(weights * model(b["x"]))
+
+    with pytest.raises(zj.ModelError, match=(
+            r"^loss_fn's parameter 'weights' has no default: zerojax calls loss_fn\((apply|model), "
+            r"batch\), .* bind weights first, e.g. functools.partial\(loss_fn, weights=...\)$")):
+        make(loss)
+    assert make(functools.partial(loss, weights=2.0))._loss_takes_rngs
+    with pytest.raises(zj.ModelError, match=r"loss_fn\(b\) cannot be called as loss_fn"):
+        make(lambda b: b)
+
+
+class KwUnit(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train):
+        return x + nn.Dropout(0.5, deterministic=not train)(nn.Dense(x.shape[-1])(x))
+
+
+class KwNet(nn.Module):
+    """A required keyword-only flag, on the model and on its units."""
+
+    @nn.compact
+    def __call__(self, x, *, train):
+        return KwUnit()(KwUnit()(x, train=train), train=train).sum(-1)
+
+
+def test_linen_keyword_only_call_flag():
+    from zerojax.units import PlainUnits
+
+    x = xs_batch(0)["x"]
+    loss = lambda apply, b: jnp.mean(jnp.square(apply(b, train=apply.training)))  # noqa: E731
+    zm = zj.from_linen(KwNet(), loss, x[:1], units=(KwUnit,), sample_kwargs={"train": False})
+    assert sorted(zm.instances) == [("KwUnit_0",), ("KwUnit_1",)]
+    params = jax.jit(zm.init)(jax.random.key(0))
+    run = jax.jit(lambda p, k, training: zm.loss(p, x, PlainUnits(rng=k, training=training)),
+                  static_argnums=2)
+    on = [float(run(params, jax.random.key(k), True)) for k in (0, 1)]
+    want = float(jnp.mean(jnp.square(KwNet().apply({"params": params}, x, train=False))))
+    assert on[0] != on[1] and all(abs(v - want) > 1e-3 * want for v in on), (on, want)
+    assert float(run(params, jax.random.key(0), False)) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(zj.ModelError, match=r"sample_kwargs=\('train', False\) must be a dict"):
+        zj.from_linen(KwNet(), loss, x[:1], sample_kwargs=("train", False))

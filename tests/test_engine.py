@@ -24,6 +24,7 @@ from helpers import (
     sweep,
     tiny_gpt,
 )
+from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 
@@ -92,6 +93,46 @@ def test_padding_exists_where_parity_is_checked():
     assert all(float(np.abs(np.asarray(x)[..., leaf.size:]).sum()) == 0.0  # zero padding
                for x, leaf in zip(jax.tree.leaves(flat), layout.leaves))
     jax.tree.map(np.testing.assert_array_equal, layout.from_flat(flat), params)
+
+
+class ScanAndGather:
+    """A stack that units.scan consumes, and two leaves units.gather consumes, one of them
+    3-D like a stack (a gathered leaf is one unit whatever its rank)."""
+
+    def init(self, rng):
+        k = jax.random.split(rng, 3)
+        return {"stack": jax.random.normal(k[0], (4, 3, 3)),
+                "cube": jax.random.normal(k[1], (2, 3, 3)), "w": jax.random.normal(k[2], (3, 1))}
+
+    def loss(self, params, batch, units):
+        h = units.scan(lambda h, s: jnp.tanh(h @ s), batch["x"], params["stack"])
+        p = units.gather({"cube": params["cube"], "w": params["w"]})
+        return jnp.mean(jnp.square(h @ p["cube"][0] @ p["cube"][1] @ p["w"] - batch["y"]))
+
+
+def test_scanned_leaves_keep_their_layer_axis_and_gathered_ones_are_one_unit():
+    """The engine learns from the loss which leaves are scanned: those are stored `[L, N·k]`
+    over P(None, "data"), row l holding layer l's elements (zero-padded); a gathered leaf is
+    stored `[N·k]` over P("data"), its elements in order, whatever its rank. N = 4: a layer
+    of 9 elements takes k = 3, the 18-element cube k = 5, the 3-element w k = 1."""
+    model = ScanAndGather()
+    params = model.init(jax.random.key(1))
+    batch = {"x": np.ones((4, 3), np.float32), "y": np.ones((4, 1), np.float32)}
+    eng = zj.Engine(model, optax.sgd(0.1), zj.make_mesh(data=4), zj.ZeroConfig(stage=1))
+    eng._discover(jax.eval_shape(model.init, jax.random.key(0)), batch)  # what init does
+    assert {leaf.path: leaf.stacked for leaf in eng.layout.leaves} == {
+        "['cube']": False, "['stack']": True, "['w']": False}
+    stored = eng.abstract_state().master
+    assert {k: (v.shape, v.sharding.spec) for k, v in stored.items()} == {
+        "stack": ((4, 12), P(None, "data")), "cube": ((20,), P("data")), "w": ((4,), P("data"))}
+    master = eng.layout.to_flat(params)
+    stack = np.asarray(master["stack"])
+    for layer in range(4):
+        np.testing.assert_array_equal(stack[layer, :9], np.asarray(params["stack"][layer]).ravel())
+        assert not stack[layer, 9:].any()
+    np.testing.assert_array_equal(np.asarray(master["cube"])[:18],
+                                  np.asarray(params["cube"]).ravel())
+    assert not np.asarray(master["cube"])[18:].any()
 
 
 # stages 0 and 2 evaluate as stage 1 does

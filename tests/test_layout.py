@@ -1,6 +1,7 @@
 """The folders are the architecture: the core imports no wing, and every wing is a package."""
 
 import ast
+import functools
 from pathlib import Path
 
 import zerojax
@@ -50,3 +51,97 @@ def test_wings_are_packages_and_the_top_stays_small():
 
 def test_checkpoint_reachable_from_the_package():
     assert callable(zerojax.checkpoint.save) and callable(zerojax.checkpoint.export)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its __init__)."""
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = ["zerojax", *path.relative_to(PKG).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _runtime_imports(tree):
+    """The import statements that can run: at any depth (inside functions too), but not under
+    `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+@functools.cache
+def import_graph() -> dict[str, frozenset[str]]:
+    """Module -> the package modules it imports, lazily or not. `from a import b` names a.b
+    where that is a module, else a. A module's import of a package it lies in (`import zerojax`
+    inside zerojax.checkpoint.store) is no edge: Python runs a package's __init__ before any
+    module inside it, so the import orders nothing; a package's __init__ importing its own
+    modules (re-exports) is an edge like any other, downward."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+                continue
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                           for a in node.names)
+        graph[name] = frozenset(t for t in targets if t in mods and t != name
+                                and not name.startswith(t + "."))
+    return graph
+
+
+def find_cycle(graph) -> list[str] | None:
+    """One circle of `graph` as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v):
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_circle():
+    """Every module of zerojax, lazy imports inside functions included: no circle, so that a
+    module's dependencies can be read (and tested) without the modules that use it."""
+    graph = import_graph()
+    assert len(graph) >= 40 and "zerojax.state" in graph["zerojax.engine"]
+    assert "zerojax.checkpoint" in graph["zerojax.engine"]  # a lazy import counts
+    assert "zerojax" not in graph["zerojax.checkpoint.store"]  # its own package does not
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_find_cycle_finds_a_lazy_circle():
+    """The check can fail: the circle state validation once made from mesh.py (a lazy import
+    of TrainState) back through step.py."""
+    graph = dict(import_graph())
+    graph["zerojax.mesh"] = graph["zerojax.mesh"] | {"zerojax.step"}
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1], cycle
+    assert {"zerojax.mesh", "zerojax.step"} <= set(cycle), cycle

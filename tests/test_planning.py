@@ -164,6 +164,12 @@ def test_estimate_table(capsys):
           (["--bandwidth", "replica=25GB/s,data=1TB/s"], "names a replica link but --replica"),
           (["--bandwidth", "nvlink=400GB/s"], "'nvlink' is not a mesh axis"),
           (["--bandwidth", "0GB/s"], "'0GB/s' must be more than 0 bytes per second"),
+          (["--bandwidth", "0"], "'0' must be more than 0 bytes per second"),
+          (["--bandwidth=-5GB/s"], "'-5GB/s' must be more than 0 bytes per second"),
+          (["--bandwidth", "nan"], "'nan' is not a size"),
+          (["--bandwidth", "inf"], "'inf' is not a size"),
+          (["--replica", "2", "--bandwidth", "data=400GB/s,replica=0"],
+           "'0' must be more than 0 bytes per second"),
           (["--bandwidth", "fast"], "'fast' is not a size"),
           (["--replica", "3", "--bandwidth", "25GB/s"], "do not split into --replica 3 groups"),
           (["--replica", "2", "--bandwidth", "data=400GB/s"],
@@ -686,6 +692,22 @@ def test_time_and_bytes_disagree_where_the_fewer_bytes_cross_the_slow_link():
     assert choose(both, bandwidth=None).candidates[0].chosen  # 46.0 KB < 102 KB
     assert choose(both).candidates[1].chosen  # 0.663 us < 1.84 us: flat q sends all across
     assert choose(both, bandwidth={"data": 25e9, "replica": 25e9}).candidates[0].chosen
+
+
+@pytest.mark.parametrize("bandwidth", [0, -25e9, float("nan"), {"data": 0.0},
+                                       {"data": float("nan")}, True])
+def test_plan_refuses_a_bandwidth_that_is_not_positive_in_one_line(bandwidth):
+    """plan(bandwidth=) and refit(bandwidth=) refuse 0, negative and NaN link speeds (a NaN
+    would rank every candidate as NaN seconds) before anything compiles."""
+    calls = [lambda: plan(GPT.from_preset("small8"), 8, 1e9, small8_batch(8),
+                          bandwidth=bandwidth),
+             lambda: PlanResult(8, 10**9, list(linked_candidates().values())).refit(
+                 bandwidth=bandwidth)]
+    for call in calls:
+        with pytest.raises(zj.ConfigError, match=r"bandwidth for 'data' is .*: give bytes per "
+                                                 r"second > 0$") as e:
+            call()
+        assert "\n" not in str(e.value)
 
 
 def test_exact_beats_quantized_within_one_percent():

@@ -141,6 +141,33 @@ def test_adamw_preset_is_the_adamw_train_always_used():
     assert results[1]["embed"]["tok"][0, 0] != results[1]["final"]["ln"]["scale"][0]
 
 
+# The decay rule (docs/training.md): matrices and the embedding tables, positions included,
+# decay; biases and LayerNorm do not. Every leaf name of the GPT, classified here by hand.
+DECAYED = {
+    ("embed", "tok"): True, ("embed", "pos"): True,
+    ("blocks", "attn", "qkv", "kernel"): True, ("blocks", "attn", "qkv", "bias"): False,
+    ("blocks", "attn", "out", "kernel"): True, ("blocks", "attn", "out", "bias"): False,
+    ("blocks", "mlp", "fc", "kernel"): True, ("blocks", "mlp", "fc", "bias"): False,
+    ("blocks", "mlp", "out", "kernel"): True, ("blocks", "mlp", "out", "bias"): False,
+    ("blocks", "ln1", "scale"): False, ("blocks", "ln1", "bias"): False,
+    ("blocks", "ln2", "scale"): False, ("blocks", "ln2", "bias"): False,
+    ("final", "ln", "scale"): False, ("final", "ln", "bias"): False,
+    ("final", "head", "kernel"): True,
+}
+
+
+def test_the_decay_mask_of_every_gpt_preset_by_name():
+    """The mask every `train --optimizer` gets (`build`'s default `decay`), on each GPT
+    preset's params: a leaf the table does not name fails too."""
+    from zerojax.models.gpt import PRESETS
+
+    mask = presets.by_leaf(presets.gpt_decay)
+    for preset in PRESETS:
+        got = {presets._names(p): m for p, m in jax.tree.flatten_with_path(
+            mask(abstract(preset)))[0]}
+        assert got == DECAYED, preset
+
+
 @pytest.mark.parametrize("name", presets.OPTIMIZERS)
 def test_every_preset_descends_on_logical_params(name):
     """One step of each preset lowers a quadratic on GPT-named leaves, decays only the masked

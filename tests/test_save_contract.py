@@ -133,6 +133,17 @@ def test_a_step_is_an_integer(seed, tmp_path):
             call()
     with pytest.raises(zj.ArgumentError, match=r"step=1\.0 \(float\)"):
         e.save(state, tmp_path, step=1.0)
+    # A bool is an int to Python, but no step number: True would have saved as step 1.
+    for step in (True, False, np.bool_(True)):
+        for call in (lambda step=step: e.save(state, tmp_path, step=step),
+                     lambda step=step: e.restore(tmp_path, step=step)):
+            with pytest.raises(zj.ArgumentError, match=rf"step={step!r} \({type(step).__name__}"
+                                                       rf"\) is not a step number; pass an "
+                                                       rf"integer$"):
+                call()
+    with pytest.raises(zj.ArgumentError, match=r"step=-1 is negative; steps count from 0"):
+        e.save(state, tmp_path, step=-1)
+    assert ck.steps(tmp_path) == [0]  # nothing was written
     assert int(e.restore(tmp_path, step=np.int64(0)).step) == 1
 
 

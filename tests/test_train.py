@@ -5,6 +5,7 @@ option checks run in this process, since they must finish before jax is touched.
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -21,10 +22,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE
-from helpers import sweep
+from helpers import by_tag, sweep, tensorboard_scalars, wandb_history
 
-from zerojax.app import options, peers, resume, sample, train
+from zerojax.app import options, peers, report, resume, sample, train
 from zerojax.app.data import embedded_corpus
+from zerojax.app.files import RunFileError
 from zerojax.models import GPT
 from zerojax.update import presets
 
@@ -60,6 +62,11 @@ def _own_directory(tmp_path, monkeypatch):
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(out: Path, dtype=np.float32) -> dict[str, dict[int, float]]:
+    """metrics.jsonl by TensorBoard tag and step (TensorBoard keeps float32)."""
+    return by_tag(records(out), dtype)
 
 
 def losses(out: Path) -> np.ndarray:
@@ -143,6 +150,8 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "weight decay nan": ("--weight-decay nan", "--weight-decay=nan must be a finite number"),
     "clip norm inf": ("--clip-norm inf", "--clip-norm=inf must be a finite number"),
     "empty out": ("--out=", "--out is empty"),
+    "peak": ("--peak-tflops 0", "--peak-tflops=0.0 must be positive"),
+    "empty wandb project": ("--wandb=", "--wandb is empty; name a W&B project"),
     "out is a file": ("--out {tmp}/bad.json", "bad.json' is a file; name a directory"),
     "out under a file": ("--out {tmp}/bad.json/run", "is under '{tmp}/bad.json', which is a file"),
     "unwritable out": ("--out {tmp}/locked/run", "is not a writable directory"),
@@ -335,6 +344,81 @@ def test_cut_off_metrics_record_is_dropped(tmp_path):
         resume.drop_cut_off_record(path)
 
 
+def full_disk(monkeypatch):
+    """Every file opened for writing from now on is opened (so "w" truncates, as the kernel
+    does), but its writes fail with ENOSPC."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        writelines = write
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def opened(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        return Full(f) if any(c in mode for c in "wax+") else f
+
+    monkeypatch.setattr(builtins, "open", opened)
+
+
+METRICS = b'{"step": 0, "eval_loss": 4.2}\n{"step": 1, "loss": 4.1}\n{"step": 2, "loss": 4.0}\n'
+
+
+def test_resume_on_a_full_disk_keeps_metrics_byte_identical(tmp_path, capsys, monkeypatch):
+    """Dropping the records past the resumed step replaces the file; a write that fails for
+    lack of space leaves it as it was and stops `zerojax train` with one line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(METRICS)
+    log = report.MetricsLog(path, start=1)  # a normal resume drops step 2
+    assert path.read_bytes() == METRICS[:METRICS.index(b'{"step": 2')]
+    assert [r["step"] for r in log.records] == [0, 1]
+    log.write({"step": 2, "loss": 3.9})
+    assert [r["step"] for r in report.MetricsLog(path, start=2).records] == [0, 1, 2]
+
+    path.write_bytes(METRICS)
+    with monkeypatch.context() as m:
+        full_disk(m)
+        assert report.MetricsLog(path, start=2).records[-1] == {"step": 2, "loss": 4.0}
+        with pytest.raises(RunFileError, match=(
+                rf"^cannot write {path}: no space left on its device \([\d,.]+ (MB|bytes) "
+                rf"free\); metrics.jsonl is as it was. Free some space and run again$")):
+            report.MetricsLog(path, start=1)  # nothing to drop at 2: nothing written
+        assert path.read_bytes() == METRICS
+        m.setattr(train, "start_runtime", lambda cfg: None)
+        m.setattr(train, "train", lambda *args: report.MetricsLog(path, start=1))
+        assert train.main(["--model", "nano", "--steps", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"zerojax train: error: cannot write {path}")
+    assert path.read_bytes() == METRICS
+    # The move over the old file fails: the same, and no temporary file is left.
+    monkeypatch.setattr(os, "replace", lambda *a: full_disk_error())
+    with pytest.raises(RunFileError, match="metrics.jsonl is as it was"):
+        report.MetricsLog(path, start=1)
+    assert path.read_bytes() == METRICS and not list(tmp_path.glob("*.tmp"))
+
+
+def full_disk_error():
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_schedule_note_gives_the_lr_before_and_after():
     saved = options.TrainConfig(steps=200)
     note = train.schedule_note(saved, dataclasses.replace(saved, steps=400), 200)
@@ -371,6 +455,23 @@ def test_non_finite_loss_stops_and_is_never_saved(tmp_path, tokens64, capsys, mo
     assert options.checkpoint_steps(ckpt) == [1]
     assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2]
     assert math.isnan(records(tmp_path)[-1]["loss"])
+
+
+@pytest.mark.slow
+def test_float16_logs_the_loss_scale_and_skipped_steps(tmp_path, tokens64, monkeypatch):
+    jax.devices()  # the backend starts with the suite's 8 devices, before main sets --devices
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    args = [*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "5", "--param-dtype",
+            "float16", "--lr", "1e3", "--warmup", "0", "--schedule", "constant", "--clip-norm",
+            "None", "--allow-nonfinite", "--eval-every", "0", "--out", str(tmp_path)]
+    assert train.main(args) == 0
+    scale = [r["loss_scale"] for r in records(tmp_path)]
+    skipped = [r["skipped_steps"] for r in records(tmp_path)]
+    # lr 1e3 overflows float16 from step 2 on: each such step is skipped and halves the scale.
+    assert skipped == [0, 1, 2, 3, 4] and scale == [scale[0] / 2**i for i in range(5)]
+    tb = tensorboard_scalars(tmp_path)
+    for tag in ("learning/loss_scale", "learning/skipped_steps"):
+        assert tb[tag] == logged(tmp_path)[tag]
 
 
 def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, monkeypatch):
@@ -429,6 +530,57 @@ def test_lost_process_line_names_the_last_of_several_saves(tmp_path, monkeypatch
 
 
 # --------------------------------------------------------------------------------- runs
+
+
+def test_tensorboard_holds_metrics_jsonl_and_the_flops(reference):
+    """The reference run (20 steps on 4 devices, eval every 10) in TensorBoard: every value of
+    metrics.jsonl under its tag at its step; the TFLOP/s from the GPT's model FLOPs."""
+    tb = tensorboard_scalars(reference)
+    assert tb == logged(reference)
+    assert sorted(tb["eval/loss"]) == [0, 10, 20]
+    for tag in ("learning/loss", "learning/grad_norm", "learning/current_learning_rate",
+                "perf/step_time_seconds", "perf/per_device_tokens_per_sec",
+                "perf/per_device_tflops_per_sec"):
+        assert sorted(tb[tag]) == list(range(1, 21)), tag
+    assert "perf/mfu" not in tb and "learning/loss_scale" not in tb  # a CPU, float32
+    s = json.loads((reference / "summary.json").read_text())
+    assert s["flops"]["per_step"] == GPT.from_preset("test").flops_per_token() * 8 * 16
+    r = records(reference)[5]
+    assert r["tflops_per_device"] == pytest.approx(s["flops"]["per_step"] / r["step_time_s"]
+                                                   / 4 / 1e12)
+    assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 4)
+    t = s["timings"]
+    assert t["tflops_per_device"] == pytest.approx(s["flops"]["per_step"] / t["mean_step_s"]
+                                                   / 4 / 1e12)
+    assert t["mfu"] is None and s["flops"]["peak_tflops"] is None
+
+
+@pytest.mark.slow
+def test_thirty_steps_watched_in_tensorboard_and_wandb(tmp_path, tokens64, monkeypatch):
+    """`train --devices 4 --eval-every 10` for 30 steps: TensorBoard holds metrics.jsonl at
+    every step, the log lines give TFLOP/s, and `--wandb` (offline) the same history."""
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    r = zerojax("train", *[a for a in SMALL if a != "--quiet"], "--data", tokens64,
+                "--devices", 4, "--steps", 30, "--out", out,
+                *(["--wandb", "zerojax-tests"] if has_wandb else []))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) >= 10 and all(" TFLOP/s/device  eta " in line for line in steps), lines
+    assert "TFLOP/s/device" in lines[-1] and lines[-1].startswith("done: step 30")
+    tb = tensorboard_scalars(out)
+    assert tb == logged(out)
+    assert sorted(tb["eval/loss"]) == [0, 10, 20, 30]
+    assert all(sorted(tb[tag]) == list(range(1, 31)) for tag in tb if tag != "eval/loss")
+    if not has_wandb:
+        pytest.skip("wandb is not installed (pip install -e '.[wandb]'): W&B left unchecked")
+    (run,) = wandb_history(out)
+    assert run["project"] == "zerojax-tests" and run["history"] == logged(out, np.float64)
+    assert (run["config"]["stage"], run["config"]["num_params"]) == (3, 21_760)
 
 
 @pytest.mark.slow
@@ -531,6 +683,9 @@ def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, mo
     assert options.checkpoint_steps(out / "checkpoints") == [10, 20]
     assert [r["step"] for r in records(out) if "loss" in r] == list(range(1, 21))
     np.testing.assert_allclose(losses(out), losses(reference), rtol=0, atol=1e-6)
+    # TensorBoard: the reference's steps 1-10, this run's 11-20 (step times differ), once each.
+    assert tensorboard_scalars(out) == logged(out)
+    assert "TFLOP/s/device" in shown and "no MFU: float32 compute" in shown
 
     # A longer run re-plans the cosine schedule: the note gives step 21's lr before and after.
     # metrics.jsonl deleted before it: the table says the new file lacks steps 1-20.
@@ -542,6 +697,9 @@ def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, mo
     assert ("metrics.jsonl was missing: it holds only the steps from 21 on (steps 1-20 were "
             "trained before this resume)" in shown)
     assert [r["step"] for r in records(out)] == [21]
+    tb = tensorboard_scalars(out)  # its curves go on: steps 1-20 before, 21 now
+    assert sorted(tb["learning/loss"]) == list(range(1, 22))
+    assert tb["learning/loss"][21] == logged(out)["learning/loss"][21]
     assert records(out)[-1]["lr"] == pytest.approx(3e-4 + 2.7e-3 * (1 + math.cos(math.pi * 10 /
                                                                              11)) / 2)
     # Resumed at --steps: nothing to train, and the table says so.

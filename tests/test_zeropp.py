@@ -15,7 +15,14 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.collectives import Wire, gather_units, reduce_scatter
-from zerojax.collectives.quantize import QMAX, decode, encode, message_bytes
+from zerojax.collectives.quantize import (
+    QMAX,
+    decode,
+    encode,
+    message_bytes,
+    num_blocks,
+    value_bytes,
+)
 from zerojax.errors import ConfigError
 from zerojax.models import SeedMLP
 from zerojax.partition import LeafSpec
@@ -71,6 +78,44 @@ def test_a_non_finite_element_poisons_its_block_only():
         bad = ~np.isfinite(y)
         assert bad[0, 16:272].all() and bad[1, :16].all()
         assert bad.sum() == 256 + 16
+
+
+# Segments that fill their blocks exactly next to ones whose last block is short, each of its
+# own magnitude (rising, so a block that reached into the next segment would take its scale),
+# and an odd total (int4 packs a half-empty last byte).
+EDGES = (256, 300, 512, 7, 256)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_blocks_restart_at_every_segment_full_or_short(fmt):
+    rng = np.random.default_rng(3)
+    mags = np.repeat(10.0 ** np.arange(len(EDGES)), EDGES)
+    x = (rng.standard_normal((2, sum(EDGES))) * mags).astype(np.float32)
+    v, s = encode(jnp.asarray(x), fmt, EDGES, BLOCK)
+    blocks = _blocks(EDGES, BLOCK)  # 256 | 256 + 44 | 256 + 256 | 7 | 256
+    assert len(blocks) == num_blocks(EDGES, BLOCK) == 7 and s.shape == (2, 7)
+    want = np.stack([np.abs(x[:, a:b]).max(1) for a, b in blocks], 1) / QMAX[fmt]
+    np.testing.assert_allclose(np.asarray(s), want, rtol=1e-6)
+    # Every element is its own block's step times an integer, and nothing more.
+    step = np.concatenate([np.repeat(want[:, [i]], b - a, 1) for i, (a, b) in enumerate(blocks)],
+                          1)
+    y = np.asarray(decode(v, s, fmt, EDGES, BLOCK, jnp.float32))
+    assert y.shape == x.shape
+    np.testing.assert_allclose(y, np.round(x / step) * step, rtol=1e-6)
+    # The bytes counted for the wire are the bytes encode makes: 1331 int4 values in 666.
+    assert v.shape[-1] == value_bytes(sum(EDGES), fmt) == (666 if fmt == "int4" else 1331)
+    assert (v.nbytes + s.nbytes) // 2 == message_bytes(EDGES, fmt, BLOCK)
+
+
+def test_byte_counts_round_up_odd_int4_counts_and_short_last_blocks():
+    assert [value_bytes(k, "int4") for k in (1, 7, 8, 9)] == [1, 4, 4, 5]
+    assert [value_bytes(k, "int8") for k in (1, 7, 8)] == [1, 7, 8]
+    assert [num_blocks((k,), 256) for k in (1, 255, 256, 257, 512, 513)] == [1, 1, 1, 2, 2, 3]
+    assert num_blocks((256, 1, 255, 512), 256) == 5  # a block never spans two segments
+    # (7 values: 4 bytes) + one short block's scale; 263 values in 132 bytes + 2 scales.
+    assert message_bytes((7,), "int4", 256) == 4 + 4
+    assert message_bytes((256, 7), "int4", 256) == 132 + 2 * 4
+    assert message_bytes((256, 7), "int8", 256) == 263 + 2 * 4
 
 
 # --- the collectives inside shard_map, against exact sums ---------------------------------

@@ -13,6 +13,7 @@ from zerojax.analysis.accounting import (
     comm_estimate,
     estimate,
 )
+from zerojax.analysis.flops import peak_tflops, step_flops, throughput
 from zerojax.analysis.measurement import Measurement, measure
 from zerojax.analysis.planning import PlanResult, plan
 from zerojax.config import ZeroConfig
@@ -28,7 +29,7 @@ from zerojax.errors import (
 )
 from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
 from zerojax.protocol import Model, Units
-from zerojax.step import TrainState
+from zerojax.state import TrainState
 
 __version__ = "0.1.0"
 
@@ -58,7 +59,10 @@ __all__ = [
     "initialize_distributed",
     "make_mesh",
     "measure",
+    "peak_tflops",
     "plan",
+    "step_flops",
+    "throughput",
 ]
 
 

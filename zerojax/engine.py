@@ -24,7 +24,6 @@ from zerojax.mesh import (
     check_batch_like,
     check_key,
     check_mesh,
-    check_state,
     mesh_sizes,
     model_size,
     naming_the_batch,
@@ -33,10 +32,10 @@ from zerojax.mesh import (
 )
 from zerojax.partition import Layout, LeafSpec, manual, spec_split, split_leaves
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
+from zerojax.state import TrainState, check_state
 from zerojax.step import (
     DEVICE,
     StepPlan,
-    TrainState,
     device_key,
     example_keys,
     local_eval,

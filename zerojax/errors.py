@@ -46,3 +46,9 @@ class CheckpointError(ZeroError):
         self.intact_steps: list[int] = list(intact_steps)
         self.damage = damage
         self.nonfinite, self.step = nonfinite, step
+
+
+def short(x) -> str:
+    """`x` as an error message quotes it: its repr, cut to 40 characters."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,10 +1,9 @@
 """Device meshes, `jax.distributed` start-up, placing the global batch on the mesh, and the
-checks of what a call brings to the engine (meshes, keys, batches, states): each refused with
-one zerojax error naming the value and the fix before anything is traced.
+checks of what a call brings to the engine (meshes, keys, batches; states: state.py): each
+refused with one zerojax error naming the value and the fix before anything is traced.
 
-The step runs every iteration, so its checks compare the state and the batch with expectations
-cached once per layout (tree structures, shapes and dtypes, in Python); none of them touches a
-device.
+The step runs every iteration, so its batch check compares the batch with an expectation
+cached once per layout (tree structure, shapes and dtypes, in Python); it touches no device.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.errors import ArgumentError, BatchError, MeshError, StateError
+from zerojax.errors import ArgumentError, BatchError, MeshError, short
 
 DATA = "data"
 REPLICA = "replica"
@@ -152,8 +151,6 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
 # ------------------------------------------------------------------------------- at the door
 
-# engine -> (its plan when cached, {state path: (shape, dtype)}, state treedef, mesh devices)
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # engine -> (batch treedef, {batch path: (shape without the batch axis, dtype)}, its type name)
 _BATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -170,92 +167,14 @@ def check_key(rng, name: str = "rng") -> None:
                             f"jax.random.key(0)")
     if dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
         return  # the raw data of a default (threefry) key, as jax.random.PRNGKey makes
-    raise ArgumentError(f"{name}={_short(rng)} is not a PRNG key; pass jax.random.key(seed), "
+    raise ArgumentError(f"{name}={short(rng)} is not a PRNG key; pass jax.random.key(seed), "
                         f"e.g. jax.random.key(0)")
 
 
 def check_mesh(mesh) -> None:
     if not isinstance(mesh, Mesh):
-        raise MeshError(f"mesh={_short(mesh)} is not a jax.sharding.Mesh; build one with "
+        raise MeshError(f"mesh={short(mesh)} is not a jax.sharding.Mesh; build one with "
                         f"zerojax.make_mesh(data=N) (or make_mesh(replica=R, data=N))")
-
-
-# ------------------------------------------------------------------------------- the state
-
-
-def _state_expectation(engine):
-    cached = _STATES.get(engine)
-    if cached is not None and cached[0] is engine.plan:
-        return cached[1:]
-    abstract = engine.abstract_state()
-    flat, treedef = jax.tree.flatten_with_path(abstract)
-    want = {jax.tree_util.keystr(p): (tuple(x.shape), x.dtype) for p, x in flat}
-    _STATES[engine] = (engine.plan, want, treedef, frozenset(engine.mesh.devices.flat))
-    return want, treedef, _STATES[engine][3]
-
-
-def check_state(engine, state) -> None:
-    """`state` must be a live `TrainState` of `engine`'s stage, dtypes, mesh and model."""
-    from zerojax.step import TrainState  # step.py imports this module
-
-    if not isinstance(state, TrainState):
-        raise StateError(f"state is {_short(state)} ({type(state).__name__}), not a "
-                         f"zerojax.TrainState; pass the state that engine.init, init_from, "
-                         f"restore or step returned")
-    want, treedef, devices = _state_expectation(engine)
-    leaves, got_def = jax.tree.flatten(state)  # the fast path, taken every step
-    sharding = getattr(state.step, "sharding", None)
-    if sharding is not None and sharding.device_set != devices:
-        raise StateError(
-            f"state is on devices {sorted(d.id for d in sharding.device_set)}, this engine's "
-            f"mesh on {sorted(d.id for d in devices)}: a state of another mesh. To change "
-            f"devices, save it and restore it into this engine")
-    if got_def == treedef:
-        for i, (x, (shape, dtype)) in enumerate(zip(leaves, want.values())):
-            if getattr(x, "shape", None) != shape or getattr(x, "dtype", None) != dtype:
-                break
-            if isinstance(x, jax.Array) and x.is_deleted():
-                raise StateError(
-                    f"state{list(want)[i]} was donated to an earlier engine.step (its buffers "
-                    f"are deleted); pass the state that step returned: state, metrics = "
-                    f"engine.step(state, batch)")
-        else:
-            return
-    flat = jax.tree.flatten_with_path(state)[0]
-    got = {jax.tree_util.keystr(p): _aval(x) for p, x in flat}
-    want = {k: f"{_dtype_name(d)}{shape}" for k, (shape, d) in want.items()}
-    diffs = []
-    for field in type(state)._fields:  # the first difference of each field
-        mine = {k: v for k, v in want.items() if k.split("[")[0] == f".{field}"}
-        theirs = {k: v for k, v in got.items() if k.split("[")[0] == f".{field}"}
-        if len(mine) != len(theirs):
-            diffs.append(f"state.{field} holds {len(theirs) or 'no'} arrays, this engine's "
-                         f"{len(mine) or 'none'}")
-            continue
-        for (k, v), (j, w) in zip(theirs.items(), mine.items()):
-            if (k, v) != (j, w):
-                diffs.append(f"state{k} is {v}, this engine's state{j} {w}" if k != j else
-                             f"state{k} is {v}, this engine's {w}")
-                break
-    if not diffs:  # the same arrays in other containers
-        diffs.append(f"its tree structure differs ({got_def}, this engine's {treedef})")
-    cfg = engine.config
-    raise StateError(
-        f"state is not a state of this engine (stage {cfg.stage}, {cfg.param_dtype}, "
-        f"{engine.replica * engine.data} devices): {'; '.join(diffs)}. A state of another "
-        f"stage, dtype, device count or model? To change stage or devices, save it and "
-        f"restore it into this engine")
-
-
-def _dtype_name(dtype) -> str:
-    """numpy's name, or a PRNG key's (`key<fry>`: an optimizer's noise key)."""
-    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
-
-
-def _aval(x) -> str:
-    dtype = getattr(x, "dtype", None)
-    name = _dtype_name(dtype) if dtype is not None else type(x).__name__
-    return f"{name}{tuple(np.shape(x)) if dtype is not None else ''}"
 
 
 # ------------------------------------------------------------------------------- the batch
@@ -335,8 +254,3 @@ def naming_the_batch(batch):
         raise BatchError(f"the model's loss failed on a batch that is a "
                          f"{type(batch).__name__}, not a dict ({e}); pass the batch as the "
                          f"model reads it, e.g. {{'inputs': ..., 'targets': ...}}") from None
-
-
-def _short(x) -> str:
-    text = repr(x)
-    return text if len(text) <= 40 else text[:37] + "..."

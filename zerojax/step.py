@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,23 +43,10 @@ from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad
-from zerojax.precision import DTYPES, LossScale, update_loss_scale
+from zerojax.precision import DTYPES, update_loss_scale
+from zerojax.state import TrainState
 from zerojax.units import ShardUnits, make_handles
 from zerojax.update import DEVICE, HOST, ShardedUpdate, to_memory
-
-
-class TrainState(NamedTuple):
-    """The engine's state. N = size of "data"; k = per-device elements of a leaf."""
-
-    step: jax.Array  # i32 [] {replicated}: steps taken
-    master: Any  # f32 per leaf [N·k] {data} or [L, N·k] {None, data}; stage 0 replicated
-    opt_state: Any  # optax state over `master` (same layout)
-    compute: Any  # param_dtype: stages 0–2 logical {replicated}; stage 3 like `master`;
-    #               None where it would equal `master` (float32 in stages 0 and 3, no offload)
-    # With offload="optimizer", `master` and `opt_state` live in pinned host memory.
-    loss_scale: LossScale
-    rng: Any = None  # u32 [2] {replicated}: data of the base key the model's keys derive from
-    model_state: Any = None  # the model's state (init_state) {replicated}; None if it has none
 
 
 @dataclass(frozen=True)

@@ -239,11 +239,27 @@ def fresh_key(units):
         return None
 
 
-def takes_rngs(loss_fn) -> bool:
-    """Whether `loss_fn` takes a third positional argument (the step's keys)."""
+def takes_rngs(loss_fn, call: str) -> bool:
+    """Whether `loss_fn` takes the step's keys: a parameter named `rngs` besides the first two,
+    which the adapter passes by keyword. Other parameters keep their defaults; one without a
+    default is a ModelError naming it (`call`: how the adapter calls `loss_fn`)."""
     try:
-        params = inspect.signature(loss_fn).parameters.values()
+        params = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read (a builtin): the two-argument form
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise ModelError(f"loss_fn{inspect.signature(loss_fn)} cannot be called as {call}; "
+                         f"give it those two positional parameters")
+    # Only `rngs` gets the keys: handed to any third parameter, they gave a flag such as
+    # `deterministic=False` a dict (truthy), silently turning dropout off.
+    extra = [p for p in params if p not in positional[:2]
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    keys = any(p.name == "rngs" and p.kind != p.POSITIONAL_ONLY for p in extra)
+    for p in extra:
+        if p.default is p.empty and not (keys and p.name == "rngs"):
+            raise ModelError(
+                f"loss_fn's parameter {p.name!r} has no default: zerojax calls {call}, "
+                f"passing the step's keys only to a parameter named rngs (by keyword); bind "
+                f"{p.name} first, e.g. functools.partial(loss_fn, {p.name}=...)")
+    return keys

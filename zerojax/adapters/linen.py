@@ -43,18 +43,21 @@ class LinenModel:
     """A linen module trained by zerojax (see `from_linen`)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=(),
-                 rngs=("dropout",), batch_axis: str | None = None):
+                 rngs=("dropout",), batch_axis: str | None = None, sample_kwargs=None):
         if not isinstance(module, nn.Module):
             raise ModelError(f"from_linen needs a flax.linen Module, got {type(module).__name__}"
                              f"; for an NNX module use zj.from_nnx")
         self.module, self.loss_fn = module, loss_fn
         self.batch_axis = check_batch_axis(batch_axis)
-        self._loss_takes_rngs = takes_rngs(loss_fn)
+        self._loss_takes_rngs = takes_rngs(loss_fn, "loss_fn(apply, batch)")
         sample_args = sample_args if isinstance(sample_args, tuple) else (sample_args,)
+        if not isinstance(sample_kwargs, (dict, type(None))):
+            raise ModelError(f"sample_kwargs={sample_kwargs!r} must be a dict of the keyword "
+                             f"arguments of one call, e.g. {{'train': False}}")
         # engine.init runs module.init for real, which needs arrays.
-        self.sample_args = jax.tree.map(
+        self.sample_args, self.sample_kwargs = jax.tree.map(
             lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
-            sample_args)
+            (sample_args, dict(sample_kwargs or {})))
         self.classes = check_unit_classes(units)
         self.rng_names = tuple(rngs)
         self.boxes = jax.eval_shape(self._boxed_variables, jax.random.key(0))  # as module.init
@@ -72,7 +75,8 @@ class LinenModel:
         # are bound: a sample call in training mode may reduce over them.
         rngs = {"params": rng, **{n: jax.random.fold_in(rng, i + 1)
                                   for i, n in enumerate(self.rng_names)}}
-        init = bound_axes(lambda: dict(self.module.init(rngs, *self.sample_args)),
+        init = bound_axes(lambda: dict(self.module.init(rngs, *self.sample_args,
+                                                        **self.sample_kwargs)),
                           self.batch_axis)
         return init()
 
@@ -105,7 +109,7 @@ class LinenModel:
             rngs = {n: jax.random.key(0) for n in self.rng_names}
             with nn.intercept_methods(record):
                 self.module.apply(variables, *self.sample_args, rngs=rngs,
-                                  mutable=list(self.state_cols))
+                                  mutable=list(self.state_cols), **self.sample_kwargs)
 
         jax.eval_shape(bound_axes(run, self.batch_axis), abstract)
         if self.classes and not found:
@@ -125,7 +129,7 @@ class LinenModel:
         apply = Apply(self, params, units)
         with model_axes(self.batch_axis):
             if self._loss_takes_rngs:
-                return self.loss_fn(apply, batch, apply.fresh_rngs())
+                return self.loss_fn(apply, batch, rngs=apply.fresh_rngs())
             return self.loss_fn(apply, batch)
 
     def merge(self, params: dict, model_state: dict | None = None) -> dict:
@@ -248,17 +252,22 @@ def _is_unit(module, classes) -> bool:
 
 
 def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, units=(),
-               rngs=("dropout",), batch_axis: str | None = None) -> LinenModel:
+               rngs=("dropout",), batch_axis: str | None = None,
+               sample_kwargs: dict | None = None) -> LinenModel:
     """A zerojax model from a linen module and `loss_fn(apply, batch) -> loss | (loss, aux)`.
 
     `apply(*args, **kwargs)` is `module.apply` with this step's params, a fresh key for each
     stream in `rngs` (in `engine.evaluate` too, fixed per evaluation), and the model state
     (every collection `module.init` makes besides "params", e.g. "batch_stats") mutable.
-    `loss_fn(apply, batch, rngs)` also gets those keys as a dict, for `apply(..., rngs=rngs)`.
-    `sample_args`: the arguments of one call of the module, for `module.init` (arrays or
-    `jax.ShapeDtypeStruct`s). Every instance of a class in `units` is one ZeRO unit; one
-    stacked by `nn.scan` is one unit per layer; the remaining params form one root unit.
+    A parameter of `loss_fn` named `rngs` gets those keys as a dict (by keyword), for
+    `apply(..., rngs=rngs)`; its other parameters past the first two keep their defaults (one
+    without a default is a ModelError: bind it with `functools.partial`).
+    `sample_args`, `sample_kwargs`: the positional and keyword arguments of one call of the
+    module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s; `sample_kwargs={"train":
+    False}` for a required keyword-only flag). Every instance of a class in `units` is one
+    ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining params form one
+    root unit.
     `batch_axis`: the axis name the model's own collectives give the batch (e.g.
     `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
     """
-    return LinenModel(module, loss_fn, sample_args, units, rngs, batch_axis)
+    return LinenModel(module, loss_fn, sample_args, units, rngs, batch_axis, sample_kwargs)

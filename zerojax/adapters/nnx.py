@@ -7,10 +7,11 @@ params gathered, fresh keys from `units.rng()` and the state from `units.state`.
 instance of a unit class keeps parameter handles until its `__call__`, which gathers them
 and runs the instance, both inside one rematerialized function (`common.unit_call`).
 
-`loss_fn(model, batch, rngs)` gets an `nnx.Rngs` of the step's keys for call-time dropout
-(`model(x, rngs=rngs)`). Params laid out on an explicit-axes mesh (NNX's eager sharding of
-`nnx.with_partitioning` hints under `jax.set_mesh`) are taken as plain arrays: zerojax lays
-them out its own way; their metadata stays with the module that `merge` returns.
+`loss_fn(model, batch, rngs)` gets an `nnx.Rngs` of the step's keys (by keyword, to a
+parameter named `rngs` only) for call-time dropout (`model(x, rngs=rngs)`). Params laid out
+on an explicit-axes mesh (NNX's eager sharding of `nnx.with_partitioning` hints under
+`jax.set_mesh`) are taken as plain arrays: zerojax lays them out its own way; their metadata
+stays with the module that `merge` returns.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class NNXModel:
         self.classes = check_unit_classes(units)
         self.rng_names = tuple(rngs)
         self.batch_axis = check_batch_axis(batch_axis)
-        self._loss_takes_rngs = takes_rngs(loss_fn)
+        self._loss_takes_rngs = takes_rngs(loss_fn, "loss_fn(model, batch)")
         self.graphdef, params, self._rngs, state = _split(module)
         self._params = jax.tree.map(_unpinned, nnx.to_pure_dict(params))
         self._state = jax.tree.map(_unpinned, nnx.to_pure_dict(state))
@@ -103,13 +104,13 @@ class NNXModel:
         for path in self.unit_paths:
             node = _node(module, path)
             object.__setattr__(node, "__class__", _unit_class(type(node)))
-        args = (module, batch, self._call_rngs(units)) if self._loss_takes_rngs else (module, batch)
+        keys = {"rngs": self._call_rngs(units)} if self._loss_takes_rngs else {}
         used: set[int] = set()
         token = _ACTIVE.set((units, placeholders, used))
         try:
             with scan_through(units, placeholders, used, iteration, "jax", JaxWith), \
                     model_axes(self.batch_axis):
-                out = self.loss_fn(*args)
+                out = self.loss_fn(module, batch, **keys)
         finally:
             _ACTIVE.reset(token)
         if used != set(placeholders):
@@ -131,7 +132,7 @@ class NNXModel:
                             else jax.numpy.zeros_like(x), self._rngs)
 
     def _call_rngs(self, units) -> nnx.Rngs:
-        """The third argument of `loss_fn`: streams "default" and those of `rngs=`, keyed by
+        """`loss_fn`'s `rngs=`: streams "default" and those of `from_nnx(rngs=)`, keyed by
         the step (fixed per evaluation in `engine.evaluate`). Units without keys (a bare
         `PlainUnits()`) get fixed keys: NNX modules read their stream even when deterministic."""
         key = fresh_key(units)
@@ -256,10 +257,12 @@ def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=(), rngs=("d
     after, gathered again in backward); the remaining params form one root unit. `units=()`:
     the whole model is one unit. The module's `nnx.BatchStat`s and other non-param variables
     are the model state; its RNG streams draw fresh keys from the engine every step.
-    `loss_fn(module, batch, rngs)`: `rngs` is an `nnx.Rngs` of the step's keys (streams
-    "default" and those named in `rngs=`) for call-time dropout. `batch_axis`: the axis name
-    the model's own collectives give the batch (e.g. `nnx.BatchNorm(axis_name="batch")`);
-    they then run over the global batch.
+    `loss_fn(module, batch, rngs)`: a parameter named `rngs` gets an `nnx.Rngs` of the step's
+    keys (streams "default" and those named in `rngs=`, by keyword) for call-time dropout; the
+    loss's other parameters past the first two keep their defaults (one without a default is a
+    ModelError: bind it with `functools.partial`). `batch_axis`: the axis name the model's own
+    collectives give the batch (e.g. `nnx.BatchNorm(axis_name="batch")`); they then run over
+    the global batch.
     """
     return NNXModel(module, loss_fn, units, rngs, batch_axis)
 

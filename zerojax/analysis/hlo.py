@@ -1,7 +1,9 @@
-"""Reading compiled programs: the collectives an HLO module runs, and the bytes they send.
+"""Reading compiled programs: the collectives an HLO module runs, the bytes they send, and the
+FLOPs of its matrix products.
 
-Every figure is per device: each collective is counted as the bytes one device sends in a
-ring, multiplied by the trip counts of the loops around it.
+Every figure is per device and per execution of the module: each collective is counted as the
+bytes one device sends in a ring, each product as its multiply-adds, multiplied by the trip
+counts of the loops around it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _KINDS = {
     "all-to-all": "all_to_all",
 }
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(\(.*\)\s*->.*)?\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
 _CALLEE = re.compile(r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
                      r"=(%?[\w.\-]+)|\b(?:called|branch)_computations=\{([^}]*)\}")
@@ -110,8 +112,10 @@ def axis_bytes(sites: list[dict], replica: int, data: int) -> dict[str, float]:
     return out
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
-    """Computations of an HLO module: name -> [(opcode, type, attributes)], and the entry."""
+def _parse_hlo(text: str, types: dict[str, str] | None = None
+               ) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
+    """Computations of an HLO module: name -> [(opcode, type, attributes)], and the entry;
+    `types`, if given, is filled with each instruction's type by its name."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -122,11 +126,13 @@ def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], str]:
             continue
         instr = _INSTR.match(line) if current is not None else None
         if instr:
-            typ, rest = _split_type(instr.group(1))
+            typ, rest = _split_type(instr.group(2))
             op = re.match(r"([\w-]+)\(", rest)
             if op:
                 attrs = re.sub(r"metadata=\{[^}]*\}", "", rest)
                 current.append((op.group(1), typ, attrs))
+                if types is not None:
+                    types[instr.group(1)] = typ
     return comps, entry
 
 
@@ -141,6 +147,98 @@ def _trip_count(attrs: str, comps) -> int | None:
     lt = any(op == "compare" and "direction=LT" in rest for op, _, rest in instrs)
     # `i < K` with i counting from 0: how lax.scan and fori_loop lower.
     return consts[0] if lt and len(consts) == 1 else None
+
+
+def _multiplicity(comps, entry) -> tuple[dict[str, int], dict[str, bool], int]:
+    """How often each computation runs per execution of the module (the sum over call paths
+    from the entry of the loops' trip counts), whether it runs inside a while loop, and the
+    count of loops whose trip count is unknown (counted once)."""
+    calls: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
+    unknown = 0
+    for name, instrs in comps.items():
+        for op, _, attrs in instrs:
+            if op.endswith(("-done", "-update")):
+                continue  # an async pair lists its computation on both halves
+            factor = 1
+            if op == "while":
+                trip = _trip_count(attrs, comps)
+                unknown += trip is None
+                factor = 1 if trip is None else trip
+            for one, many in _CALLEE.findall(attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", one or many):
+                    if callee in comps:
+                        calls[name].append((callee, factor, op == "while"))
+    order, seen = [], set()
+
+    def visit(c):
+        if c not in seen:
+            seen.add(c)
+            for callee, _, _ in calls[c]:
+                visit(callee)
+            order.append(c)
+
+    visit(entry)
+    mult = dict.fromkeys(comps, 0)
+    mult[entry] = 1
+    in_loop = dict.fromkeys(comps, False)
+    for c in reversed(order):  # callers before callees: the calls form a DAG
+        for callee, factor, loop in calls[c]:
+            mult[callee] += mult[c] * factor
+            in_loop[callee] |= in_loop[c] or loop
+    return mult, in_loop, unknown
+
+
+def matmul_flops(hlo_text: str) -> tuple[float, int]:
+    """FLOPs of the matrix products (dot and convolution) of an HLO module, 2 per multiply-add,
+    each counted once per trip of the loops around it; and the count of loops whose trip count
+    is unknown (their bodies counted once).
+
+    XLA's own `cost_analysis()` counts a while loop's body once, whatever its trip count: a
+    step that scans its layers would show one layer's FLOPs.
+    """
+    types: dict[str, str] = {}
+    comps, entry = _parse_hlo(hlo_text, types)
+    mult, _, unknown = _multiplicity(comps, entry)
+    total = 0.0
+    for name, instrs in comps.items():
+        for op, typ, attrs in instrs:
+            if op in ("dot", "convolution") and mult[name]:
+                total += mult[name] * _product_flops(op, typ, attrs, types)
+    return total, unknown
+
+
+def _dims(typ: str) -> list[int]:
+    shape = _SHAPE.search(typ)
+    return [int(d) for d in shape.group(2).split(",") if d] if shape else []
+
+
+def _operands(rest: str) -> str:
+    """The text inside an instruction's operand parentheses."""
+    start, depth = rest.index("("), 0
+    for i in range(start, len(rest)):
+        depth += (rest[i] == "(") - (rest[i] == ")")
+        if depth == 0:
+            return rest[start + 1: i]
+    return rest[start + 1:]
+
+
+def _product_flops(op: str, typ: str, attrs: str, types: dict[str, str]) -> float:
+    """2 × output elements × the multiply-adds behind each: the contracted size of a dot's
+    left operand; the kernel's elements per output feature of a convolution."""
+    operands = _operands(attrs)
+    # Compiled text gives each operand's type inline; unoptimized text only its name.
+    shapes = [[int(d) for d in dims.split(",") if d] for _, dims in _SHAPE.findall(operands)]
+    if len(shapes) < 2:
+        shapes = [_dims(types.get(n, "")) for n in re.findall(r"%?([\w.\-]+)", operands)[:2]]
+    lhs, rhs = shapes[:2]
+    out = math.prod(_dims(typ))
+    if op == "dot":
+        found = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
+        contracted = [int(d) for d in found.group(1).split(",") if d] if found else []
+        return 2.0 * out * math.prod(lhs[d] for d in contracted)
+    labels = re.search(r"dim_labels=\w*_(\w+)->", attrs)
+    o = labels.group(1).index("o") if labels else len(rhs) - 1
+    return 2.0 * out * math.prod(rhs) / rhs[o] if rhs else 0.0
 
 
 def collective_bytes(hlo_text: str, devices: int) -> dict[str, float]:
@@ -185,39 +283,7 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
     `by_dtype`), `launches` per step, device `groups`, and whether it runs inside a while loop
     (`in_loop`); and the count of loops whose trip count is unknown (counted once)."""
     comps, entry = _parse_hlo(hlo_text)
-    calls: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
-    unknown = 0
-    for name, instrs in comps.items():
-        for op, _, attrs in instrs:
-            if op.endswith(("-done", "-update")):
-                continue  # an async pair lists its computation on both halves
-            factor = 1
-            if op == "while":
-                trip = _trip_count(attrs, comps)
-                unknown += trip is None
-                factor = 1 if trip is None else trip
-            for one, many in _CALLEE.findall(attrs):
-                for callee in re.findall(r"%?([\w.\-]+)", one or many):
-                    if callee in comps:
-                        calls[name].append((callee, factor, op == "while"))
-    # Multiplicity of each computation: sum over call paths from the entry (a DAG).
-    order, seen = [], set()
-
-    def visit(c):
-        if c not in seen:
-            seen.add(c)
-            for callee, _, _ in calls[c]:
-                visit(callee)
-            order.append(c)
-
-    visit(entry)
-    mult = dict.fromkeys(comps, 0)
-    mult[entry] = 1
-    in_loop = dict.fromkeys(comps, False)
-    for c in reversed(order):
-        for callee, factor, loop in calls[c]:
-            mult[callee] += mult[c] * factor
-            in_loop[callee] |= in_loop[c] or loop
+    mult, in_loop, unknown = _multiplicity(comps, entry)
     sites = []
     for name, instrs in comps.items():
         for op, typ, attrs in instrs:

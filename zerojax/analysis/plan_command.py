@@ -200,8 +200,8 @@ def bandwidth_arg(text: str) -> float | dict[str, float]:
     from zerojax.analysis.console import parse_bytes
 
     def one(value: str) -> float:
-        bw = parse_bytes(value.strip().removesuffix("/s"))
-        if bw <= 0:
+        bw = -1 if value.strip().startswith("-") else parse_bytes(value.strip().removesuffix("/s"))
+        if not bw > 0:
             raise ValueError(f"{value!r} must be more than 0 bytes per second")
         return float(bw)
 

@@ -138,14 +138,15 @@ class PlanResult:
         return self.best
 
     def refit(self, device_memory: int | None = None,
-              bandwidth: dict[str, float] | None = None) -> PlanResult:
+              bandwidth: float | dict[str, float] | None = None) -> PlanResult:
         """The same candidates chosen among for another memory budget or other link
-        bandwidths (nothing recompiled; candidates that were not compiled stay rejected)."""
+        bandwidths (bytes/s, as `plan` takes them; nothing recompiled; candidates that were
+        not compiled stay rejected)."""
         cands = [dataclasses.replace(c) for c in self.candidates]
         return _choose(dataclasses.replace(
             self, candidates=cands, best=None,
             device_memory=self.device_memory if device_memory is None else int(device_memory),
-            bandwidth=self.bandwidth if bandwidth is None else dict(bandwidth)))
+            bandwidth=self.bandwidth if bandwidth is None else _links(bandwidth, self.replica)))
 
     def as_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "device_memory": self.device_memory,

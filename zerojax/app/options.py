@@ -6,6 +6,7 @@ jax's backend.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import tempfile
@@ -84,7 +85,7 @@ class TrainConfig:
     """ZeRO++ hpZ (stage 3, --replica > 1): a secondary param copy sharded within each replica
     group, so the per-layer gathers stay inside it."""
     out: str = "runs/train"
-    """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, profile/."""
+    """Run directory: metrics.jsonl, loss.png, summary.json, checkpoints/, tensorboard/."""
     save_every: int = 0
     """Save a checkpoint every N steps; 0: only at the end (and on Ctrl-C)."""
     resume: bool = False
@@ -99,6 +100,14 @@ class TrainConfig:
     """Seed of the initial parameters and of the data order."""
     profile: bool = False
     """Write a jax.profiler trace of a few steps to OUT/profile (TensorBoard / Perfetto)."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars to OUT/tensorboard (view: tensorboard --logdir runs/)."""
+    wandb: str | None = None
+    """Also log to this Weights & Biases project (pip install 'zerojax[wandb]'; offline with
+    WANDB_MODE=offline)."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for MFU; default: the device's dense bf16/fp16 peak when it is
+    known and the compute is bfloat16/float16."""
     data: str | None = None
     """Token file (.txt bytes, .bin uint16, .npy) instead of the corpus; its last 5% is eval."""
     coordinator: str | None = None
@@ -243,6 +252,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--hpz needs --stage 3 and --replica R > 1 (got --stage {cfg.stage}, "
                          f"--replica {cfg.replica}): hpZ shards a secondary copy of the params "
                          f"within each replica group")
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        raise UsageError(f"--peak-tflops={cfg.peak_tflops} must be positive (a device's peak "
+                         f"TFLOP/s, e.g. 989 for an H100 SXM in bf16)")
+    if cfg.wandb is not None and not cfg.wandb.strip():
+        raise UsageError("--wandb is empty; name a W&B project, e.g. --wandb zerojax")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise UsageError("TensorBoard logging (on by default) needs the tensorboardX package: "
+                         "pip install tensorboardX, or pass --no-tensorboard")
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise UsageError(f"--wandb {cfg.wandb} needs the wandb package: pip install "
+                         f"'zerojax[wandb]', or drop --wandb")
     if not cfg.out.strip():
         raise UsageError("--out is empty; name a run directory, e.g. --out runs/train")
     resume = cfg.resume or cfg.resume_step is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from pathlib import Path
@@ -30,7 +31,9 @@ from zerojax.analysis.accounting import (
     shares_master,
     state_estimate,
 )
+from zerojax.analysis.flops import throughput
 from zerojax.analysis.measurement import on_host
+from zerojax.app.files import replace_file
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 
@@ -143,10 +146,11 @@ class Reporter:
             self.progress = Progress(
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("eval {task.fields[eval]}"), TextColumn("eta"), TimeRemainingColumn(),
-                TimeElapsedColumn(), console=console, transient=False)
+                TextColumn("{task.fields[tflops]}"), TextColumn("eval {task.fields[eval]}"),
+                TextColumn("eta"), TimeRemainingColumn(), TimeElapsedColumn(), console=console,
+                transient=False)
             self.task = self.progress.add_task("train", total=total, completed=start,
-                                               loss="-", tps="-", eval="-")
+                                               loss="-", tps="-", tflops="", eval="-")
             self.progress.start()
 
     def status(self, message: str) -> None:
@@ -162,8 +166,9 @@ class Reporter:
         loss = f"{record['loss']:.4f}"
         tps = f"{record['tokens_per_s']:,.0f}"
         ev = f"{record['eval_loss']:.4f}" if "eval_loss" in record else None
+        tflops = tflops_text(record)
         if self.progress is not None:
-            fields = {"loss": loss, "tps": tps} | ({"eval": ev} if ev else {})
+            fields = {"loss": loss, "tps": tps, "tflops": tflops} | ({"eval": ev} if ev else {})
             self.progress.update(self.task, completed=step, **fields)
             return
         if (step - self.start) % self.every and step != self.total and ev is None:
@@ -171,7 +176,7 @@ class Reporter:
         eta = sum(self.recent) / max(len(self.recent), 1) * (self.total - step)
         line = (f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss}  "
                 f"grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  {tps} tok/s  "
-                f"eta {_clock(eta)}")
+                + (f"{tflops}  " if tflops else "") + f"eta {_clock(eta)}")
         self.console.print(line + (f"  eval {ev}" if ev else ""), soft_wrap=True)
 
     def close(self) -> None:
@@ -180,36 +185,43 @@ class Reporter:
             self.progress = None
 
 
+def tflops_text(r: dict[str, Any]) -> str:
+    """A record's (or summary's) TFLOP/s per device, and MFU where the peak is known:
+    "412 TFLOP/s/device (MFU 41.7%)"."""
+    if r.get("tflops_per_device") is None:
+        return ""
+    mfu = f" (MFU {100 * r['mfu']:.1f}%)" if r.get("mfu") is not None else ""
+    return f"{r['tflops_per_device']:.3g} TFLOP/s/device{mfu}"
+
+
 def _clock(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per step; on resume, records past `start` are dropped."""
+    """`metrics.jsonl`: one JSON object per step; on resume, records past `start` are dropped
+    (the file is then replaced, never rewritten in place: see `files.replace_file`)."""
 
     def __init__(self, path: Path, start: int, enabled: bool = True):
         self.path, self.enabled = path, enabled
         self.records: list[dict[str, Any]] = []
         if not enabled:
             return
-        if start > 0 and path.exists():
-            self.records = [r for r in read_metrics(path) if r["step"] <= start]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        old = path.read_bytes() if path.is_file() else None
+        lines = (old or b"").splitlines(keepends=True) if start > 0 else []
+        kept = [x for x in lines if x.strip() and json.loads(x)["step"] <= start]
+        if kept and not kept[-1].endswith(b"\n"):
+            kept[-1] += b"\n"  # the next record starts a line of its own
+        self.records = [json.loads(line) for line in kept]
+        if b"".join(kept) != old:
+            replace_file(path, b"".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl`."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -232,12 +244,14 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    replace_file(path, png.getvalue())
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Writes `obj` as indented JSON; non-finite floats become null."""
+    """Writes `obj` as indented JSON (replacing the file); non-finite floats become null."""
     def clean(x):
         if isinstance(x, float) and not math.isfinite(x):
             return None
@@ -247,7 +261,7 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
             return [clean(v) for v in x]
         return x
 
-    path.write_text(json.dumps(clean(obj), indent=2) + "\n")
+    replace_file(path, (json.dumps(clean(obj), indent=2) + "\n").encode())
 
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg,
@@ -327,12 +341,16 @@ def comm_rows(cfg, num_params: int, devices: int) -> list[tuple[str, str]]:
 
 
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,
-            eval_s, step, interrupted) -> dict[str, Any]:
-    """The contents of `summary.json`."""
+            eval_s, step, interrupted, flops: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The contents of `summary.json`; `flops`: the model FLOPs per step (`per_step`), their
+    `formula`, and the per-device `peak_tflops` (or None) and where it comes from."""
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     steady = times[1:] or times
     mean_step = float(np.mean(steady)) if steady else None
+    perf = {"tflops_per_device": None, "mfu": None}
+    if flops and mean_step:
+        perf |= throughput(flops["per_step"], mean_step, len(devices), flops["peak_tflops"])
     return {
         "config": dataclasses.asdict(cfg),
         "steps_done": step,
@@ -351,8 +369,10 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
             "first_step_s": times[0] if times else None,  # includes compilation
             "mean_step_s": mean_step,
             "tokens_per_s": cfg.batch * cfg.seq_len / mean_step if mean_step else None,
+            **perf,
             "eval_s": eval_s,
         },
+        "flops": flops,
     }
 
 
@@ -368,6 +388,8 @@ def final_line(s: dict[str, Any], out: Path) -> str:
     t = s["timings"]
     if t["tokens_per_s"]:
         parts.append(f"{t['tokens_per_s']:,.0f} tok/s")
+    if t.get("tflops_per_device") is not None:
+        parts.append(tflops_text(t))
     parts.append(f"{t['wall_s']:.0f} s")
     head = "interrupted" if s["interrupted"] else "done"
     return f"{head}: " + ", ".join(parts) + f"  → {out}/"

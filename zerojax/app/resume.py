@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from zerojax.app.files import replace_file
 from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps
 
 
@@ -34,9 +35,7 @@ def drop_cut_off_record(path: Path) -> str | None:
     if bad != [len(lines) - 1]:
         raise UsageError(f"{str(path)!r} line {bad[0] + 1} is not a JSON record; fix or "
                          f"delete that line, then resume again")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(lines[:-1]))
-    os.replace(tmp, path)  # never a half-written metrics file, even if this is killed
+    replace_file(path, b"".join(lines[:-1]))
     return (f"{path.name}: dropped a cut-off last record ({len(lines[-1])} bytes) that an "
             f"interrupted write left")
 

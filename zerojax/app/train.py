@@ -173,9 +173,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
+    from zerojax.analysis import flops
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
+    from zerojax.app.sinks import MetricsWriter
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
@@ -258,17 +260,27 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     measured_host = report.state_bytes_per_device(state, mine, host=True)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg,
                                    optimizer_state_size(engine).per_param)
+    step_flops = flops.step_flops(engine, batches.batch(start))
+    peak, peak_from = flops.run_peak(devices[0], cfg.param_dtype, cfg.peak_tflops)
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.memory_rows(estimate, measured, measured_host)
         + report.comm_rows(cfg, num_params, len(devices))
+        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.FORMULA}; "
+                     + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
+                        else f"no MFU: {peak_from}"))]
         + [("note", n) for n in notes], "zerojax train"))
 
     def evaluate(state) -> float:
         return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
 
-    log = report.MetricsLog(out / "metrics.jsonl", start, enabled=lead)
+    log = MetricsWriter(out, start, enabled=lead, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                        config=extra["train_config"] | {"num_params": num_params,
+                                                        "device_count": len(devices),
+                                                        "flops_per_step": step_flops,
+                                                        "peak_tflops": peak})
     tokens_per_step = cfg.batch * cfg.seq_len
+    skipped = next((r["skipped_steps"] for r in reversed(log.records) if "skipped_steps" in r), 0)
     show = report.Reporter(console, cfg.steps, start, enabled=not cfg.quiet)
     stop = _Stop()
     times, eval_s, saved, interrupted = [], 0.0, {start} if cfg.resume else set(), False
@@ -306,7 +318,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             times.append(dt)
             rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm,
                    "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / dt,
-                   "step_time_s": dt}
+                   "tokens_per_s_per_device": tokens_per_step / dt / len(devices),
+                   "step_time_s": dt, **flops.throughput(step_flops, dt, len(devices), peak)}
+            if "loss_scale" in metrics:  # float16's dynamic loss scaling
+                skipped += int(metrics["skipped"])
+                rec |= {"loss_scale": float(metrics["loss_scale"]), "skipped_steps": skipped}
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 t = time.perf_counter()
                 rec["eval_loss"] = evaluate(state)
@@ -317,11 +333,15 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                 with saving(ckpt):
                     engine.save(state, ckpt, step + 1, wait=False, extra=extra)
                 saved.add(step + 1)
+    except BaseException:
+        log.close(failed=True)
+        raise
     finally:
         stop.close()
         show.close()
         if profiling:
             jax.profiler.stop_trace()
+    log.close()
     step = int(state.step)  # also right when resumed at --steps, or interrupted
     with saving(ckpt):
         if step not in saved and step > 0:
@@ -332,7 +352,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             checkpoint.wait_until_finished(ckpt)
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
-                             measured, time.perf_counter() - t_start, eval_s, step, interrupted)
+                             measured, time.perf_counter() - t_start, eval_s, step, interrupted,
+                             flops={"per_step": step_flops, "formula": flops.FORMULA,
+                                    "peak_tflops": peak, "peak_from": peak_from})
     if lead:
         report.finish(out, log.records, summary, f"{cfg.model}, stage {stage}, "
                                                  f"{len(devices)} devices")

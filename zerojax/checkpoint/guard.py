@@ -74,7 +74,8 @@ def first_nonfinite(engine, tree) -> str | None:
     return None if ok.all() else names[int(np.argmin(ok))]
 
 
-def _no_space(e: BaseException) -> bool:
+def no_space(e: BaseException) -> bool:
+    """Whether `e` is a write that failed for lack of space (or quota)."""
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
         _no_space_text(str(e))
 
@@ -99,7 +100,8 @@ class _QuietNoSpace(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietNoSpace())
 
 
-def _free(path: Path) -> str:
+def free_space(path: Path) -> str:
+    """The free space of the file system holding `path` (or its nearest existing parent)."""
     for p in (path, *path.parents):
         try:
             free = shutil.disk_usage(p).free
@@ -154,10 +156,10 @@ def writing(path: Path, step: int | None = None):
         yield
     except Exception as e:  # orbax raises the write's error as it comes, of many types
         what = f"step {step}" if step is not None else "a checkpoint step"
-        free = _free(path)
-        if _no_space(e) or isinstance(e, OSError):
+        free = free_space(path)
+        if no_space(e) or isinstance(e, OSError):
             _remove_partial(path, step)
-        if _no_space(e):
+        if no_space(e):
             damage = (f"cannot write {what} to {path}: no space left on its device ({free}); "
                       f"the steps saved there before are intact")
             raise CheckpointError(f"{damage}. Free some space (or keep fewer steps: keep=) and "

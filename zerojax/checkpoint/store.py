@@ -37,8 +37,8 @@ from zerojax.checkpoint.record import (
     why,
 )
 from zerojax.errors import ArgumentError, CheckpointError
-from zerojax.mesh import check_state
 from zerojax.partition import LeafSpec
+from zerojax.state import check_state
 
 META = "meta"
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory

@@ -260,11 +260,12 @@ class GPT:
         d, V = c.d_model, c.vocab_size
         return V * d + c.seq_len * d + c.n_layers * c.layer_params + 2 * d + d * V
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6*N + 12*L*T*d (PaLM app. B), N without embedding tables.
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6*N + 12*L*T*d (PaLM app. B), N without embedding tables,
+        T the sequences' length (default: the context length).
 
         The token/position tables are lookups, not matmuls; the untied head is counted in N.
         """
         c = self.cfg
         n = self.num_params() - (c.vocab_size + c.seq_len) * c.d_model
-        return 6 * n + 12 * c.n_layers * c.seq_len * c.d_model
+        return 6 * n + 12 * c.n_layers * (seq_len or c.seq_len) * c.d_model

@@ -11,7 +11,9 @@ offload, each round's local work runs on the host (offload.py).
 Modules: reps.py (how a value lives on the devices; the flat layout's index arithmetic),
 interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan, while),
 program.py (ops, rounds, fused collectives), owners.py and evaluate.py (owner regions),
-offload.py, presets.py (the command line's named optimizers and state sizes).
+placement.py (which device owns which instance, balanced by FLOPs), exchange.py (a wave of
+owner groups as ops), offload.py, presets.py (the command line's named optimizers and state
+sizes).
 
 Optimizer state: a leaf that the update computes elementwise from the params or gradients is
 stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,
@@ -36,6 +38,7 @@ from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
 from zerojax.update.offload import DEVICE, HOST, run_offloaded, to_memory
 from zerojax.update.owners import Owners
+from zerojax.update.placement import loads
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Flat, Phys, from_pieces, leaf_phys, pad_global
 
@@ -268,9 +271,12 @@ class ShardedUpdate:
 
     def report(self, finite: bool = False) -> dict:
         """What the update adds to a step: per round, its fused collectives (kind, dtype,
-        elements per device); the owner groups of whole-matrix work (instances, per owner,
-        split by layer); the primitives that assembled a leaf on every device; how many
-        state leaves are sharded and how many replicated."""
+        elements per device); the owner groups of whole-matrix work (the wave they run in,
+        instances, slots per owner, instances each device owns, split by layer, estimated
+        FLOPs of one instance) and their estimated FLOPs (`total`, per device, and `busiest`:
+        what the per-device program runs, each wave's busiest device); the primitives that
+        assembled a leaf on every device; how many state leaves are sharded and how many
+        replicated."""
         prog, _, planner = self.program(finite)
         rounds = []
         for _, comms in prog.rounds:
@@ -283,8 +289,17 @@ class ShardedUpdate:
                 rounds.append([{"kind": k, "dtype": d, "elements": n}
                                for (k, d), n in fused.items()])
         groups = planner.hooks.groups if planner.hooks is not None else []
+        waves: dict[int, list] = {}
+        for w, pl, _ in groups:
+            waves.setdefault(w, []).append(pl)
+        per_wave = [loads(pls, self.shards) for pls in waves.values()]
         return {"rounds": rounds, "owner_groups": [
-                    {"instances": m, "per_owner": c, "by_layer": lay} for m, c, lay in groups],
+                    {"wave": w, "instances": pl.instances, "per_owner": pl.per_owner,
+                     "owned": [len(s) for s in pl.slots], "by_layer": lay, "flops": pl.flops}
+                    for w, pl, lay in groups],
+                "owner_flops": {"total": sum(map(sum, per_wave)),
+                                "devices": [sum(col) for col in zip(*per_wave)],
+                                "busiest": sum(map(max, per_wave))},
                 "assembled": sorted(set(planner.whole_ops + prog.whole_ops)),
                 "control_flow_with_collectives": len(prog.syncs),
                 "state": {"sharded": sum(isinstance(r, Flat) for r in self.state_reps),

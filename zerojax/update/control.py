@@ -11,19 +11,22 @@ whole).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from jax import lax
 
 from zerojax.collectives import vary
-from zerojax.update.interpret import Planner, shard_jaxpr
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Bcast, Flat, Partial, join
+
+if TYPE_CHECKING:  # interpret.py's rules call these; a body is planned by Planner.body
+    from zerojax.update.interpret import Planner
 
 _MAX_FIXED_POINT = 8
 
 
 def _sub(p: Planner, closed, in_reps, out_reps=None) -> tuple[Program, list]:
-    prog, natural, sub = shard_jaxpr(closed, in_reps, out_reps, shards=p.shards, axis=p.axis)
+    prog, natural, sub = p.body(closed, in_reps, out_reps)
     prog.whole_ops = sub.whole_ops
     return prog, [WHOLE if isinstance(r, Partial) else r for r in natural]
 

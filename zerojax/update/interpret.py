@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from zerojax.update.control import plan_cond, plan_scan, plan_while
 from zerojax.update.program import Op, Program, bind, schedule
 from zerojax.update.reps import (
     PARTIAL,
@@ -404,16 +405,18 @@ class Planner:
         return None
 
     def cond(self, eqn, ins):
-        from zerojax.update.control import plan_cond
         return plan_cond(self, eqn, ins)
 
     def scan(self, eqn, ins):
-        from zerojax.update.control import plan_scan
         return plan_scan(self, eqn, ins)
 
     def while_(self, eqn, ins):
-        from zerojax.update.control import plan_while
         return plan_while(self, eqn, ins)
+
+    def body(self, closed, in_reps, out_reps=None):
+        """A control-flow body planned as a program of its own over `in_reps` (control.py):
+        shard_jaxpr's (program, natural reps, planner), without owner hooks."""
+        return shard_jaxpr(closed, in_reps, out_reps, shards=self.shards, axis=self.axis)
 
     # -- the program
     def finish(self, inputs: list[int], outputs: list[int]) -> Program:

@@ -4,18 +4,24 @@ When the optimizer's update needs a whole tensor (a matmul, a transpose: work th
 rule in interpret.py does on a flat shard), the work that follows from it forms an owner
 region: a subgraph computed on one device from the full values of its flat inputs. Regions
 that compute the same thing on values of the same shapes (one per matrix of a model: Muon's
-orthogonalization of each leaf) form a group whose M instances are spread over the N devices
-of the data axis, ⌈M/N⌉ per device:
+orthogonalization of each leaf) form a group of M instances. Groups that read none of each
+other's results run together as a wave, whose instances are spread over the N devices of the
+data axis by their estimated FLOPs (placement.py: largest first, on the least-loaded device),
+so a group of one (an embedding, a head: shapes no other leaf has) costs one device its work
+while the others take more of the rest:
 
-  in:   one all_to_all: each device sends every owner its part of the owner's matrices;
-  work: each owner runs the region batched over its ⌈M/N⌉ matrices (jax.vmap);
+  in:   one all_to_all per dtype: each device sends every owner its part of the owner's
+        matrices;
+  work: each owner runs the region over its matrices (jax.vmap), the slots every device
+        fills unconditionally, its further ones in a switch over the devices' profiles;
   out:  one all_to_all back into the flat layout (or a sum from the owners for a small
         whole value that the rest of the update reads).
 
 A stacked leaf ([L, ...], a scanned stack) whose region treats each layer on its own (checked
 by evaluating the region with the layer axis resized) contributes one instance per layer, so
 the layers of a stack spread over the devices too. The Newton–Schulz FLOPs per device are
-about total/N, and no device holds more than ⌈M/N⌉ full matrices at once.
+about total/N (the busiest device's share, `ShardedUpdate.report()["owner_flops"]`), and a
+device holds at most its own instances' full matrices at once. exchange.py emits a wave.
 """
 
 from __future__ import annotations
@@ -26,14 +32,13 @@ import math
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jcore
 
 from zerojax.update.evaluate import NotSeparable, run
+from zerojax.update.exchange import Group, emit
 from zerojax.update.interpret import Planner
-from zerojax.update.program import Op
+from zerojax.update.placement import Placement, flops, place
 from zerojax.update.reps import WHOLE, Bcast, Flat, Owned, Partial
 
 
@@ -44,6 +49,18 @@ class Region:
     flat_in: list[int] = field(default_factory=list)  # Flat keys it assembles on the owner
     exports: list[tuple[int, object, int]] = field(default_factory=list)  # (owned, rep, key)
 
+    def recorded(self):
+        """The entries as evaluate.run takes them: (primitive, params, in keys, out keys)."""
+        return [(prim, params, ins, outs) for _, prim, params, ins, outs in self.entries]
+
+    def inputs(self) -> list[int]:
+        """The keys the region reads from outside, in first-use order."""
+        made, out = set(), []
+        for _, _, _, ins, outs in self.entries:
+            out += [k for k in ins if k not in made and k not in out]
+            made.update(outs)
+        return out
+
 
 class Owners:
     """The planner's hooks (interpret.Planner.hooks) that form and emit owner regions."""
@@ -53,7 +70,7 @@ class Owners:
         self.parent: dict[int, int] = {}
         self.cache: dict[tuple, int] = {}
         self.seq = itertools.count()
-        self.groups: list[tuple[int, int, bool]] = []  # (instances, per device, by layer)
+        self.groups: list[tuple[int, Placement, bool]] = []  # (wave, placement, by layer)
 
     # ---------------------------------------------------------------- regions
 
@@ -179,9 +196,48 @@ class Owners:
                     break
             else:
                 bins.append([region])
-        for (layered, _), bins in groups.items():
-            for members in bins:
-                _emit(p, members, layered, self)
+        made = [Group(p, members, layered) for (layered, _), bins in groups.items()
+                for members in bins]
+        for w, wave in enumerate(self._waves(p, made)):
+            placements = place([(g.M, self._flops(p, g)) for g in wave], p.shards)
+            self.groups += [(w, pl, g.layered) for g, pl in zip(wave, placements)]
+            emit(p, wave, placements)
+
+    def _waves(self, p: Planner, groups: list[Group]) -> list[list[Group]]:
+        """`groups` in waves, in the order they can run: a wave's groups read none of each
+        other's results, so its exchanges fuse and its instances are placed together."""
+        of = {m.rid: i for i, g in enumerate(groups) for m in g.members}
+        ups: dict[int, set[int]] = {}
+
+        def upstream(rid):  # the regions whose results `rid` reads, through any others
+            if rid not in ups:
+                region = self.regions[rid]
+                own = self._owned_keys(rid)
+                direct = {self.find(r) for k in region.flat_in + region.inputs()
+                          if k not in own for r in p.deps.get(k, ())} - {rid}
+                ups[rid] = set(direct)
+                for r in direct:
+                    ups[rid] |= upstream(r)
+            return ups[rid]
+
+        after = [{of[r] for m in g.members for r in upstream(m.rid) if r in of} - {i}
+                 for i, g in enumerate(groups)]
+        level = [0] * len(groups)
+        for _ in range(len(groups)):
+            new = [max((level[j] + 1 for j in a), default=0) for a in after]
+            if new == level:
+                break
+            level = new
+        else:  # groups that read each other's results both ways: one wave each, as made
+            return [[g] for g in groups]
+        return [[g for g, lv in zip(groups, level) if lv == w] for w in range(max(level) + 1)]
+
+    def _flops(self, p: Planner, g: Group) -> float:
+        """Estimated FLOPs of one instance of `g` (a layer of a stacked region: its share)."""
+        region = g.members[0]
+        f = flops((prim, params, [p.aval[k] for k in ins], [p.aval[k] for k in outs])
+                  for _, prim, params, ins, outs in region.entries)
+        return f / g.per
 
     def _signature(self, p: Planner, region: Region, layered: bool):
         """What the region computes, independent of which leaf it computes it for."""
@@ -226,7 +282,7 @@ class Owners:
         if any(isinstance(r, Flat) and r.shape[:1] != (L,) for _, r, _ in region.exports):
             return False
         env, axes = {}, {}
-        for k in _inputs(region):
+        for k in region.inputs():
             aval = p.aval[k]
             if k in region.flat_in:
                 env[k] = jax.ShapeDtypeStruct((1, *aval.shape[1:]), aval.dtype)
@@ -240,7 +296,7 @@ class Owners:
             def trial(*vals):
                 e = dict(zip(env, vals))
                 a = dict(axes)
-                run(_entries(region), e, p.consts, a, L, 1)
+                run(region.recorded(), e, p.consts, a, L, 1)
                 out_axes.update({k: a.get(k) for k, _, _ in region.exports})
                 return [e[k] for k, _, _ in region.exports]
 
@@ -266,160 +322,3 @@ def _params_key(params) -> str:
     return ";".join(parts)
 
 
-def _entries(region: Region):
-    return [(prim, params, ins, outs) for _, prim, params, ins, outs in region.entries]
-
-
-def _inputs(region: Region) -> list[int]:
-    """The keys a region reads from outside, in first-use order."""
-    made, out = set(), []
-    for _, _, _, ins, outs in region.entries:
-        out += [k for k in ins if k not in made and k not in out]
-        made.update(outs)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Emission: the exchange in, the batched work, the exchange out
-
-
-def _emit(p: Planner, members: list[Region], layered: bool, owners: Owners) -> None:
-    N, axis = p.shards, p.axis
-    first = members[0]
-    L = p.rep[first.flat_in[0]].phys.lead if layered else None
-    per = L if layered else 1  # instances per region
-    M = len(members) * per
-    c = -(-M // N)  # instances per owner
-    owners.groups.append((M, c, layered))
-    ins0 = _inputs(first)
-    flat_pos = [i for i, k in enumerate(ins0) if k in first.flat_in]
-    d_of = lambda: lax.axis_index(axis)
-
-    # -- in: every Flat input, one exchange per position (fused by the scheduler)
-    gathered = []
-    for i in flat_pos:
-        keys = [_inputs(m)[i] for m in members]
-        rep, dtype = p.rep[keys[0]], p.aval[keys[0]].dtype
-        phys = rep.phys
-        m = phys.k if layered else math.prod(phys.local_shape)  # one instance's elements here
-
-        def pack(*xs, m=m):
-            rows = jnp.concatenate([x.reshape(per, m) for x in xs])  # [M, m]
-            rows = jnp.pad(rows, [(0, N * c - M), (0, 0)])
-            return (rows.reshape(N, c * m),)  # row s: what owner s gets from this device
-
-        send = p.local(pack, keys, [jax.ShapeDtypeStruct((N, c * m), dtype)], [WHOLE])[0]
-        recv = p.comm("all_to_all", send, p.aval[send], WHOLE)
-        shape = rep.shape[1:] if layered else rep.shape
-
-        def unpack(x, phys=phys, shape=shape):
-            # [N, c, (L,) k]: device s's part of each of this owner's c instances
-            lead = () if layered or phys.lead is None else (phys.lead,)
-            x = x.reshape(N, c, *lead, phys.k)
-            x = jnp.moveaxis(x, 0, -2).reshape(c, *lead, N * phys.k)[..., :phys.unit]
-            return (x.reshape(c, *shape),)
-
-        gathered.append(p.local(unpack, [recv], [jax.ShapeDtypeStruct((c, *shape), dtype)],
-                                [WHOLE])[0])
-
-    # -- the other inputs: shared, or this owner's instances of them
-    others = []
-    for i, k0 in enumerate(ins0):
-        if i in flat_pos:
-            continue
-        keys = [_inputs(m)[i] for m in members]
-        if layered or all(k == k0 for k in keys) or all(k in p.consts for k in keys):
-            others.append((i, k0, None))
-            continue
-
-        def mine(*xs):
-            st = jnp.stack(xs)
-            st = jnp.concatenate([st, jnp.broadcast_to(st[:1], (N * c - M, *st.shape[1:]))])
-            return (lax.dynamic_slice_in_dim(st, d_of() * c, c),)
-
-        aval = p.aval[k0]
-        others.append((i, p.local(mine, keys, [jax.ShapeDtypeStruct((c, *aval.shape),
-                                                                   aval.dtype)], [WHOLE])[0], 0))
-
-    # -- the work
-    entries = _entries(first)
-    out_keys = [k for k, _, _ in first.exports]
-    consts = p.consts
-
-    def work(*vals):
-        g, rest = vals[:len(gathered)], vals[len(gathered):]
-        by_pos = dict(zip(flat_pos, g))
-        by_pos.update({i: v for (i, _, _), v in zip(others, rest)})
-        args = [by_pos[i] for i in range(len(ins0))]
-        if layered:
-            env = dict(zip(ins0, args))
-            axes = {k: (0 if i in flat_pos else None) for i, k in enumerate(ins0)}
-            run(entries, env, consts, axes, L, c)
-            return tuple(env[k] for k in out_keys)
-
-        def one(*a):
-            env = dict(zip(ins0, a))
-            run(entries, env, consts)
-            return tuple(env[k] for k in out_keys)
-
-        in_axes = [0 if i in flat_pos else next(ax for j, _, ax in others if j == i)
-                   for i in range(len(ins0))]
-        return jax.vmap(one, in_axes=in_axes)(*args)
-
-    res_avals = []
-    for k in out_keys:
-        shape = tuple(p.aval[k].shape)
-        res_avals.append(jax.ShapeDtypeStruct((c, *(shape[1:] if layered else shape)),
-                                              p.aval[k].dtype))
-    results = p.local(work, [*gathered, *[k for _, k, _ in others]], res_avals,
-                      [WHOLE] * len(out_keys))
-
-    # -- out: per export position, back to the flat layout or summed from the owners
-    for e, (_, want, _) in enumerate(first.exports):
-        targets = [m.exports[e][2] for m in members]
-        res = results[e]
-        if isinstance(want, Flat):
-            phys = want.phys
-            lead = () if layered or phys.lead is None else (phys.lead,)
-            m = phys.k * math.prod(lead)
-
-            def pack_out(x, phys=phys, lead=lead, m=m):
-                x = x.reshape(c, *lead, phys.unit)
-                pad = phys.k * N - phys.unit
-                x = jnp.pad(x, [(0, 0)] * (1 + len(lead)) + [(0, pad)]) if pad else x
-                x = x.reshape(c, *lead, N, phys.k)
-                return (jnp.moveaxis(x, -2, 0).reshape(N, c * m),)
-
-            send = p.local(pack_out, [res], [jax.ShapeDtypeStruct((N, c * m),
-                                                                 p.aval[res].dtype)],
-                           [WHOLE])[0]
-            recv = p.comm("all_to_all", send, p.aval[send], WHOLE)
-
-            def split(x, phys=phys, m=m):
-                x = x.reshape(N * c, m)[:M]
-                return tuple(x[j * per:(j + 1) * per].reshape(phys.local_shape)
-                             for j in range(len(members)))
-
-            p.ops.append(_op(split, [recv], targets))
-        else:
-            shape = tuple(p.aval[targets[0]].shape)
-            unit = shape[1:] if layered else shape
-
-            def spread(x):
-                full = jnp.zeros((N * c, *x.shape[1:]), x.dtype)
-                return (lax.dynamic_update_slice_in_dim(full, x, d_of() * c, 0),)
-
-            full = p.local(spread, [res], [jax.ShapeDtypeStruct((N * c, *unit),
-                                                               p.aval[res].dtype)], [WHOLE])[0]
-            summed = p.comm("psum", full, p.aval[full], WHOLE)
-
-            def split_whole(x, shape=shape):
-                x = x[:M]
-                return tuple(x[j * per:(j + 1) * per].reshape(shape)
-                             for j in range(len(members)))
-
-            p.ops.append(_op(split_whole, [summed], targets))
-
-
-def _op(fn, ins, outs):
-    return Op("local", fn, tuple(ins), tuple(outs))

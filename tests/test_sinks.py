@@ -1,0 +1,80 @@
+"""A run's records in every sink: metrics.jsonl, TensorBoard event files, a W&B run; the same
+values, each step once, across resumes."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import by_tag, tensorboard_scalars, wandb_history
+
+from zerojax.app.sinks import MetricsWriter
+
+
+def record(step: int, base: float) -> dict:
+    r = {"step": step, "loss": base / step, "grad_norm": 1 + step / 7, "lr": 1e-3 * step,
+         "tokens_per_s": 100.0 * step, "tokens_per_s_per_device": 25.0 * step,
+         "step_time_s": 0.01 + step / 1000, "tflops_per_device": 3.5 + step, "mfu": 0.25}
+    return r | ({"eval_loss": base / (step + 1)} if step % 3 == 0 else {})
+
+
+def write(out, start: int, steps, base: float, **kw) -> list[dict]:
+    log = MetricsWriter(out, start, **kw)
+    if start == 0:
+        log.write({"step": 0, "eval_loss": base})
+    for s in steps:
+        log.write(record(s, base))
+    log.close()
+    return log.records
+
+
+def test_tensorboard_holds_each_step_once_across_resumes(tmp_path):
+    records = write(tmp_path, 0, range(1, 7), 4.0)
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+    # Resumed from step 3 with other values (a nondeterministic rerun): steps 4-6 are replaced.
+    records = write(tmp_path, 3, range(4, 9), 8.0)
+    assert [r["step"] for r in records] == list(range(9))
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+    assert tensorboard_scalars(tmp_path)["learning/loss"][4] == np.float32(8.0 / 4)
+    # The new file starts after step 3, so TensorBoard's per-series preemption (its data
+    # server) replaces the old steps 4-6 too, not only the `purge_step` the reader honours.
+    newest = max((tmp_path / "tensorboard").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert min(tensorboard_scalars(tmp_path, newest)["learning/loss"]) == 4
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[4])["loss"] == 2.0
+    # A new run from step 0 starts the curves again.
+    records = write(tmp_path, 0, range(1, 3), 2.0)
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1
+
+
+def test_tensorboard_of_a_resume_after_a_run_without_it_starts_at_step_1(tmp_path):
+    write(tmp_path, 0, range(1, 5), 4.0, tensorboard=False)
+    assert not (tmp_path / "tensorboard").exists()
+    records = write(tmp_path, 4, range(5, 7), 4.0)
+    assert sorted(tensorboard_scalars(tmp_path)["learning/loss"]) == list(range(1, 7))
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+
+
+def test_only_metrics_jsonl_when_disabled(tmp_path):
+    records = write(tmp_path, 0, range(1, 3), 4.0, enabled=False)
+    assert len(records) == 3 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_the_same_history(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    out.mkdir()
+    records = write(out, 0, range(1, 5), 4.0, wandb="zerojax-tests", config={"stage": 3})
+    runs = wandb_history(out)
+    assert len(runs) == 1 and runs[0]["project"] == "zerojax-tests"
+    assert runs[0]["config"]["stage"] == 3
+    assert runs[0]["history"] == by_tag(records, np.float64)
+    # A resume continues the same W&B run (its id kept in the run directory).
+    write(out, 2, range(3, 6), 8.0, wandb="zerojax-tests")
+    runs = wandb_history(out)
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
+    assert sorted(runs[1]["history"]["learning/loss"]) == [3, 4, 5]
