@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
 import zerojax as zj
@@ -116,20 +117,29 @@ ELEMENTWISE = {"adagrad", "adabelief", "amsgrad", "rmsprop", "nadamw", "radam", 
 class Bundle:
     """One small model per optimizer: a matrix, a scalar temperature and (unless the optimizer
     is elementwise) a 2-layer scanned stack, of sizes that no N here divides (every leaf is
-    padded)."""
+    padded). `split`: width 6 instead of 7, the matrix and each layer split over the `model`
+    axis by their output features (the pieces still padded over "data")."""
 
-    def __init__(self, names):
-        self.names = tuple(names)
+    def __init__(self, names, split: bool = False):
+        self.names, self.split = tuple(names), split
+        self.width = 6 if split else 7
 
     def init(self, rng):
-        out = {}
+        out, w = {}, self.width
         for i, name in enumerate(self.names):
             k = jax.random.split(jax.random.fold_in(rng, i))
-            out[name] = {"w": 0.4 * jax.random.normal(k[0], (5, 7)),
+            out[name] = {"w": 0.4 * jax.random.normal(k[0], (5, w)),
                          "t": jnp.ones(() if name not in NO_SCALARS else (1,))}
             if name not in ELEMENTWISE:
-                out[name]["stack"] = 0.3 * jax.random.normal(k[1], (2, 7, 7))
+                out[name]["stack"] = 0.3 * jax.random.normal(k[1], (2, w, w))
         return out
+
+    def param_specs(self):
+        if not self.split:
+            return None
+        specs = {"w": P(None, "model"), "t": None, "stack": P(None, None, "model")}
+        return {n: {k: v for k, v in specs.items() if k != "stack" or n not in ELEMENTWISE}
+                for n in self.names}
 
     def loss(self, params, batch, units):
         total = 0.0
@@ -155,8 +165,8 @@ def batches():
 
 
 @functools.cache
-def reference(bundle):
-    model, tx = Bundle(BUNDLES[bundle]), bundled(BUNDLES[bundle])
+def reference(bundle, split=False):
+    model, tx = Bundle(BUNDLES[bundle], split), bundled(BUNDLES[bundle])
     params = model.init(jax.random.key(0))
     start, state = params, tx.init(params)
 
@@ -170,16 +180,16 @@ def reference(bundle):
     for b in batches():
         params, state, loss = step(params, state, b)
         losses.append(float(loss))
-    reference.opt_state[bundle] = state
+    reference.opt_state[bundle, split] = state
     return np.array(losses), params, start
 
 
-reference.opt_state = {}  # the reference's final optimizer state, per bundle
+reference.opt_state = {}  # the reference's final optimizer state, per (bundle, split)
 
 
-def assert_matches(bundle, losses, params):
+def assert_matches(bundle, losses, params, split=False):
     """`losses` (None: not checked) and each optimizer's `params` against the reference's."""
-    ref_losses, ref, start = reference(bundle)
+    ref_losses, ref, start = reference(bundle, split)
     if losses is not None:
         np.testing.assert_allclose(losses, ref_losses[:len(losses)], rtol=LOSS_RTOL)
     dist = lambda a, b: np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y)) ** 2)
@@ -194,15 +204,23 @@ CONFIGS = {
     "stage2-n4": ({"data": 4}, {"stage": 2}),
     "stage3-hybrid2x2-accum2-offload": ({"replica": 2, "data": 2},
                                         {"stage": 3, "grad_accum": 2, "offload": "optimizer"}),
+    # the model axis: the bundle's matrices split over it (Bundle(split=True))
+    "stage3-data4-model2": ({"data": 4, "model": 2}, {"stage": 3}),
+    "stage1-hybrid2x2-model2": ({"replica": 2, "data": 2, "model": 2}, {"stage": 1}),
 }
+
+
+def split(config) -> bool:
+    """Whether `config`'s mesh has a model axis (the bundle then splits its matrices)."""
+    return CONFIGS[config][0].get("model", 1) > 1
 
 
 @functools.cache
 def engine(bundle, config):
     """The bundle's engine for `config` (one per test process: its compiled step is reused)."""
     mesh_kw, cfg = CONFIGS[config]
-    return zj.Engine(Bundle(BUNDLES[bundle]), bundled(BUNDLES[bundle]), zj.make_mesh(**mesh_kw),
-                     zj.ZeroConfig(**cfg))
+    return zj.Engine(Bundle(BUNDLES[bundle], split(config)), bundled(BUNDLES[bundle]),
+                     zj.make_mesh(**mesh_kw), zj.ZeroConfig(**cfg))
 
 
 def run(bundle, config, steps=STEPS):

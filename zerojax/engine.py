@@ -380,18 +380,30 @@ class Engine:
         leaves 1/N per device), for the units `leaves` (default: this engine's)."""
         if leaves is None:
             leaves, treedef = self.layout.leaves, self.layout.treedef
+        leaves = self._splits(tuple(leaves), treedef)
         mesh, replicated = self.mesh, NamedSharding(self.mesh, P())
         # hpZ shards the state over both axes, data-major: so do its logical leaves, else
         # turning one into the other replicates each leaf whole on every device.
         axes = (DATA, REPLICA) if self.config.hpz else (DATA,)
         n = math.prod(dict(mesh.shape)[a] for a in axes)
-        sds = lambda shape, dtype, stacked=False: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=_logical_sharding(mesh, shape, stacked, axes)
-            if math.prod(shape) >= n else replicated)
-        params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf.stacked)
+        sds = lambda shape, dtype, leaf=None: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=_logical_sharding(mesh, shape, leaf, axes)
+            if math.prod(shape) >= n or (leaf is not None and leaf.is_split) else replicated)
+        params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf)
                                               for leaf in leaves])
-        opt = jax.tree.map(lambda x: sds(x.shape, x.dtype),
-                           _key_data(jax.eval_shape(self.optimizer.init, params)))
+        # An optimizer-state leaf where a param sits (a moment) is split as the param is.
+        by_path = {tuple(p): leaf for (p, _), leaf in zip(
+            jax.tree.flatten_with_path(params)[0], leaves)}
+
+        def like(path, x):
+            for i in range(len(path)):
+                leaf = by_path.get(tuple(path[i:]))
+                if leaf is not None and tuple(x.shape) == leaf.shape:
+                    return sds(x.shape, x.dtype, leaf)
+            return sds(x.shape, x.dtype)
+
+        opt = jax.tree_util.tree_map_with_path(
+            like, _key_data(jax.eval_shape(self.optimizer.init, params)))
         whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
         tree = {"params": params, "opt_state": opt, "step": whole(jnp.zeros((), jnp.int32)),
                 "loss_scale": jax.tree.map(whole, {"scale": jnp.zeros((), jnp.float32),
@@ -440,16 +452,19 @@ class Engine:
         return checkpoint.restore(self, directory, step)
 
 
-def _logical_sharding(mesh, shape, stacked: bool, axes=(DATA,)) -> NamedSharding:
+def _logical_sharding(mesh, shape, leaf: LeafSpec | None, axes=(DATA,)) -> NamedSharding:
     """Over `axes` ("data"; hpZ: "data" and "replica") on the unit's first divisible axis (a
-    local reshape of the flat shard)."""
+    local reshape of the flat shard), and a split leaf over "model" on its split dimension."""
     n = math.prod(dict(mesh.shape)[a] for a in axes)
     spec = axes[0] if len(axes) == 1 else tuple(axes)
-    first = 1 if stacked else 0
+    dims = list(leaf.logical_spec()) if leaf is not None and leaf.is_split else []
+    dims += [None] * (len(shape) - len(dims))
+    first = 1 if leaf is not None and leaf.stacked else 0
     for a in [*range(first, len(shape)), *range(first)]:
-        if n > 1 and shape[a] % n == 0:
-            return NamedSharding(mesh, P(*[spec if i == a else None for i in range(len(shape))]))
-    return NamedSharding(mesh, P())
+        if n > 1 and dims[a] is None and shape[a] % n == 0:
+            dims[a] = spec
+            break
+    return NamedSharding(mesh, P(*dims))
 
 
 def _is_key(x) -> bool:

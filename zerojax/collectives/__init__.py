@@ -330,7 +330,7 @@ def gather_unit(shards, src, leaves, n, dtype, wire=PLAIN):
     """Stage 3: a unit's logical values from this device's `[M?, k_i]` shards (differentiated;
     their gradients are the reduced shards) and, under hpZ, its secondary shards `src` (from
     `stack_source`: the unsplit leaves' and the split leaves')."""
-    if _model_axis():
+    if model_axis():
         return list(_tp_gather(tuple(shards), src, tuple(leaves), n, dtype, wire))
     src = None if src is None else src[0]
     return _gather_unit(jnp.concatenate(shards), src, leaves, n, dtype, wire)
@@ -379,7 +379,7 @@ def stack_source(xs, leaves, n, dtype, wire=PLAIN):
             out.append(None)
             continue
         ls, sel = [leaves[i] for i in idx], [xs[i] for i in idx]
-        if not _model_axis():
+        if not model_axis():
             out.append(_stack_source(sel, ls, n, dtype, wire))
             continue
         spec = _spec(STORED, None, lead) if split else P()
@@ -388,7 +388,7 @@ def stack_source(xs, leaves, n, dtype, wire=PLAIN):
                           _pieces(ls) if split else ls, n, dtype, wire), split, lead)
         shapes = jax.eval_shape(fn, *[jnp.zeros(_local_shape(x, split, lead), x.dtype)
                                       for x in sel])  # one device's view
-        out.append(_model_map(fn, tuple([spec] * len(sel)),
+        out.append(model_map(fn, tuple([spec] * len(sel)),
                               jax.tree.map(lambda _, spec=spec: spec, shapes))(*sel))
     return tuple(out)
 
@@ -409,23 +409,26 @@ def gather_from(xs, src, i, leaves, n, dtype, wire=PLAIN):
 STORED, LOGICAL = "stored", "logical"  # a split leaf's value as stored ([M, ...]) or logical
 
 
-def _model_axis() -> bool:
+def model_axis() -> bool:
     """Whether the computation being traced has an automatic `model` axis (the step on a mesh
     with one)."""
     return MODEL in jax.sharding.get_abstract_mesh().axis_names
 
 
-def _model_map(fn, in_specs, out_specs):
+def model_map(fn, in_specs, out_specs, differentiated: bool = True):
     """`fn` manual over "model" inside the step (manual over the batch axes already): each
     device sees its own model piece of the split leaves.
 
-    Traced without the varying-axes check, then each output typed as the checked map types
-    it: jax 0.10's partial evaluation of a checked nested map (remat, linearize) hoists its
-    input-independent values (the literals the check makes varying) with specs naming the
-    outer manual axes, which the lowering rejects."""
+    `differentiated` (a map inside the loss: remat and linearize evaluate it partially): traced
+    without the varying-axes check, then each output typed as the checked map types it. jax
+    0.10's partial evaluation of a checked nested map hoists its input-independent values (the
+    literals the check makes varying) with specs naming the outer manual axes, which the
+    lowering rejects. Outside differentiation (the update) the map is checked as it is."""
     kw = dict(mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
               axis_names=frozenset({MODEL}))
     checked = jax.shard_map(fn, check_vma=True, **kw)
+    if not differentiated:
+        return checked
     unchecked = jax.shard_map(fn, check_vma=False, **kw)
 
     def run(*args):
@@ -473,7 +476,7 @@ def _per_group(fn, leaves, args, kinds, out_kind, shared=None, lead=0):
     would move every piece)."""
     shared = (None, None) if shared is None else shared
     out = [None] * len(leaves)
-    tp = _model_axis()
+    tp = model_axis()
     for split in (False, True):
         idx = [i for i, leaf in enumerate(leaves) if leaf.is_split == split]
         if not idx:
@@ -500,7 +503,7 @@ def _per_group(fn, leaves, args, kinds, out_kind, shared=None, lead=0):
                 in_specs = ([[P()] * len(ls) for _ in kinds],
                             None if sh is None else jax.tree.map(lambda _: P(), sh))
                 out_specs = [P()] * len(ls)
-            vals = _model_map(body, in_specs, out_specs)(sel, sh)
+            vals = model_map(body, in_specs, out_specs)(sel, sh)
         for i, v in zip(idx, vals):
             out[i] = v
     return out

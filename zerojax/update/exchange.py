@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from zerojax.collectives import model_axis, model_map
 from zerojax.update.evaluate import run, vary_all_to
 from zerojax.update.placement import Placement
 from zerojax.update.program import Op, vary_all
-from zerojax.update.reps import WHOLE, Flat
+from zerojax.update.reps import WHOLE, Flat, from_pieces, to_pieces
 
 
 class Group:
@@ -132,7 +134,8 @@ def _send(p, g: Group, pl: Placement, keys) -> tuple:
     N, M, c, per = p.shards, g.M, pl.per_owner, g.per
     rep, dtype = p.rep[keys[0]], p.aval[keys[0]].dtype
     phys = rep.phys
-    m = phys.k if g.layered else math.prod(phys.local_shape)  # one instance's elements here
+    # one instance's elements here (a layer of a stack: its [M?, k])
+    m = math.prod(phys.local_shape) // (phys.lead if g.layered else 1)
 
     def pack(*xs):
         rows = jnp.concatenate([x.reshape(per, m) for x in xs])  # [M, m]
@@ -146,11 +149,11 @@ def _send(p, g: Group, pl: Placement, keys) -> tuple:
     shape = rep.shape[1:] if g.layered else rep.shape
 
     def unpack(x):
-        # [N, c, (L,) k]: device s's part of each of this owner's c slots
+        # [N, c, (L,) (M,) k]: device s's part of each of this owner's c slots
         lead = () if g.layered or phys.lead is None else (phys.lead,)
-        x = x.reshape(N, c, *lead, phys.k)
-        x = jnp.moveaxis(x, 0, -2).reshape(c, *lead, N * phys.k)[..., :phys.unit]
-        return (x.reshape(c, *shape),)
+        x = x.reshape(N, c, *lead, *phys.mid, phys.k)
+        x = jnp.moveaxis(x, 0, -2).reshape(c, *lead, *phys.mid, N * phys.k)[..., :phys.piece]
+        return (from_pieces(x, phys).reshape(c, *shape),)
 
     return send, 0, (unpack, jax.ShapeDtypeStruct((c, *shape), dtype))
 
@@ -206,6 +209,13 @@ def _work(p, wave, placements, args) -> list[list[int]]:
 
     res_avals = [jax.ShapeDtypeStruct((pl.per_owner, *unit(g, e)), p.aval[k].dtype)
                  for g, pl in zip(wave, placements) for e, k in enumerate(g.out_keys)]
+    if model_axis():
+        # Each device of a model group runs its data index's instances whole: the devices of
+        # one data index take one branch of the switch, the others another, so no collective
+        # over "model" that the compiler would insert may sit inside it.
+        run_fn = fn
+        fn = lambda *vals: model_map(run_fn, tuple(P() for _ in vals),
+                                     tuple(P() for _ in res_avals), differentiated=False)(*vals)
     flat = p.local(fn, [p.device(), *keys], res_avals, [WHOLE] * len(res_avals))
     out, i = [], 0
     for g in wave:
@@ -223,13 +233,13 @@ def _exchange_out(p, g: Group, pl: Placement, results: list[int]) -> None:
         if isinstance(want, Flat):
             phys = want.phys
             lead = () if g.layered or phys.lead is None else (phys.lead,)
-            m = phys.k * math.prod(lead)
+            m = phys.k * math.prod(lead) * phys.pieces
 
             def pack_out(x, phys=phys, lead=lead):
-                x = x.reshape(c, *lead, phys.unit)
-                pad = phys.k * N - phys.unit
-                x = jnp.pad(x, [(0, 0)] * (1 + len(lead)) + [(0, pad)]) if pad else x
-                x = x.reshape(c, *lead, N, phys.k)
+                x = to_pieces(x.reshape(c, *lead, phys.unit), phys)  # [c, (L,) (M,) U/M]
+                pad = phys.k * N - phys.piece
+                x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+                x = x.reshape(c, *lead, *phys.mid, N, phys.k)
                 return (jnp.moveaxis(x, -2, 0).reshape(N, -1),)
 
             send = p.local(pack_out, [res], [jax.ShapeDtypeStruct((N, c * m),
