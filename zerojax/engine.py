@@ -464,7 +464,7 @@ def _logical_sharding(mesh, shape, leaf: LeafSpec | None, axes=(DATA,)) -> Named
         if n > 1 and dims[a] is None and shape[a] % n == 0:
             dims[a] = spec
             break
-    return NamedSharding(mesh, P(*dims))
+    return NamedSharding(mesh, P(*dims) if any(d is not None for d in dims) else P())
 
 
 def _is_key(x) -> bool:
