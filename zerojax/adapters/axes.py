@@ -7,8 +7,14 @@ traces the model (`model_axes`):
 
 - every `jax.lax` collective given `batch_axis` runs over the mesh's bound batch axes instead
   (`("replica", "data")`, or `("data",)`): the model's batch axis is the global batch;
-- `jax.lax.with_sharding_constraint` is the identity: inside the shard_map an array is one
-  device's, and zerojax lays the params out its own way.
+- `jax.lax.with_sharding_constraint` keeps only its `model` part: inside the shard_map the
+  batch axes are manual (an array is one device's batch), and zerojax lays the params out its
+  own way, but on a mesh with a model axis an activation constraint naming "model" is the
+  model's tensor-parallel plan (without a model axis the constraint is the identity).
+
+The params' own annotations (boxes with mesh-axis or logical names, NNX sharding metadata)
+become the model's `param_specs()` through `mesh_spec`: a logical name goes through the
+`logical_axis_rules` (flax's format); only the axes zerojax's meshes have count.
 
 The adapters' own traces outside the step (finding the units, `module.init`) run with those
 names bound to one-device axes (`bound_axes`), so a sample call in training mode may reduce
@@ -29,12 +35,15 @@ import re
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.adapters.common import LOCK
 from zerojax.errors import ModelError
-from zerojax.mesh import DATA, REPLICA
+from zerojax.mesh import DATA, MODEL, REPLICA
 
 MESH_AXES = (REPLICA, DATA)  # the batch axes a zerojax mesh may have, outermost first
+ALL_AXES = (REPLICA, DATA, MODEL)  # every axis a zerojax mesh may have
 
 _OFF = object()  # _ACTIVE outside model_axes
 # While a model is traced: the model's batch axis name (or None); else _OFF.
@@ -112,22 +121,77 @@ def _wrap(name, f, sig):
     return collective
 
 
-def _no_constraint(x, shardings, *args, **kwargs):
+def _model_constraint(x, shardings, *args, **kwargs):
     if _ACTIVE.get() is _OFF:
         return _CONSTRAINT(x, shardings, *args, **kwargs)
-    return x
+    if MODEL not in jax.sharding.get_abstract_mesh().axis_names:
+        return x
+
+    def one(y, sharding):
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+        if not isinstance(spec, P):
+            return y
+        kept = [MODEL if MODEL in (e if isinstance(e, tuple) else (e,)) else None for e in spec]
+        return _CONSTRAINT(y, P(*kept)) if MODEL in kept else y
+
+    if isinstance(shardings, (P, NamedSharding)):
+        return jax.tree.map(lambda y: one(y, shardings), x)
+    return jax.tree.map(one, x, shardings, is_leaf=lambda v: isinstance(v, (P, NamedSharding)))
+
+
+def check_rules(rules, where: str):
+    """`rules` (flax's logical axis rules: (logical name, mesh axis | axes | None) pairs) as a
+    tuple, or a ModelError naming a rule whose mesh axis no zerojax mesh has."""
+    if rules is None:
+        return None
+    try:
+        rules = tuple((name, target) for name, target in rules)
+    except (TypeError, ValueError):
+        raise ModelError(f"{where}(logical_axis_rules={rules!r:.60}) must be flax's rules: "
+                         f"pairs (logical name, mesh axis or None), e.g. (('mlp', 'model'), "
+                         f"('embed', None))") from None
+    for name, target in rules:
+        for axis in target if isinstance(target, (tuple, list)) else (target,):
+            if axis is not None and axis not in ALL_AXES:
+                raise ModelError(
+                    f"logical_axis_rules maps {name!r} to the mesh axis {axis!r}, which "
+                    f"zerojax's meshes lack (they have {ALL_AXES}); map the names a "
+                    f"tensor-parallel dimension carries (heads, mlp, vocab, ...) to {MODEL!r} "
+                    f"and the rest to None ({DATA!r}/{REPLICA!r} are ZeRO's: the engine shards "
+                    f"every param over them its own way)")
+    return rules
+
+
+def mesh_spec(names, rules) -> P | None:
+    """A param's axis names (logical names, or mesh axes) as a PartitionSpec over zerojax's
+    mesh axes: a name in `rules` becomes its rule's axis (the first rule for it), a mesh
+    axis name stays, anything else is None."""
+    if names is None:
+        return None
+    lookup = dict(reversed(rules or ()))
+    out = []
+    for n in names:
+        if isinstance(n, (tuple, list)):
+            axes = [lookup.get(a, a if a in ALL_AXES else None) for a in n]
+            axes = tuple(a for a in axes if a is not None)
+            out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+        elif n in lookup:
+            out.append(lookup[n])
+        else:
+            out.append(n if n in ALL_AXES else None)
+    return P(*out)
 
 
 @contextlib.contextmanager
 def model_axes(batch_axis):
     """While active, in this thread: `jax.lax` collectives given `batch_axis` reduce over the
-    mesh's bound batch axes, and sharding constraints are the identity."""
+    mesh's bound batch axes, and sharding constraints keep only their `model` part."""
     token = _ACTIVE.set(batch_axis)
     with LOCK:  # the patch is process-wide; the wrappers check _ACTIVE (this context only)
         if not _INSTALLED[0]:
             for name, (f, sig) in _COLLECTIVES.items():
                 setattr(lax, name, _wrap(name, f, sig))
-            lax.with_sharding_constraint = _no_constraint
+            lax.with_sharding_constraint = _model_constraint
         _INSTALLED[0] += 1
         try:
             with named_axis_errors(batch_axis):

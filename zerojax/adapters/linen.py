@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import axes_scan, meta
 
-from zerojax.adapters.axes import bound_axes, check_batch_axis, model_axes
+from zerojax.adapters.axes import bound_axes, check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
     LaxWith,
     at_path,
@@ -43,12 +43,16 @@ class LinenModel:
     """A linen module trained by zerojax (see `from_linen`)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=(),
-                 rngs=("dropout",), batch_axis: str | None = None, sample_kwargs=None):
+                 rngs=("dropout",), batch_axis: str | None = None, sample_kwargs=None,
+                 logical_axis_rules=None):
         if not isinstance(module, nn.Module):
             raise ModelError(f"from_linen needs a flax.linen Module, got {type(module).__name__}"
                              f"; for an NNX module use zj.from_nnx")
         self.module, self.loss_fn = module, loss_fn
         self.batch_axis = check_batch_axis(batch_axis)
+        # The rules given, else those in force where the model is built (nn.logical_axis_rules)
+        self.rules = check_rules(logical_axis_rules, "from_linen") if logical_axis_rules \
+            is not None else (tuple(nn.get_logical_axis_rules()) or None)
         self._loss_takes_rngs = takes_rngs(loss_fn, "loss_fn(apply, batch)")
         sample_args = sample_args if isinstance(sample_args, tuple) else (sample_args,)
         if not isinstance(sample_kwargs, (dict, type(None))):
@@ -127,10 +131,23 @@ class LinenModel:
 
     def loss(self, params, batch, units):
         apply = Apply(self, params, units)
-        with model_axes(self.batch_axis):
+        with model_axes(self.batch_axis), nn.logical_axis_rules(self.rules or ()):
             if self._loss_takes_rngs:
                 return self.loss_fn(apply, batch, rngs=apply.fresh_rngs())
             return self.loss_fn(apply, batch)
+
+    def param_specs(self) -> dict:
+        """The params' tensor-parallel plan from their boxes: `nn.with_partitioning`'s mesh axes
+        and `nn.with_logical_partitioning`'s logical names through the logical axis rules (the
+        box's own, else `from_linen`'s, else those in force at construction); an unboxed param
+        is replicated. A stack's layer axis is the box's first name."""
+        def spec(box):
+            if isinstance(box, nn.LogicallyPartitioned):
+                return mesh_spec(box.names, self.rules or (tuple(box.rules or ()) or None))
+            if isinstance(box, nn.Partitioned):
+                return mesh_spec(box.names, self.rules)
+            return None
+        return jax.tree.map(spec, self.boxes["params"], is_leaf=_is_box)
 
     def merge(self, params: dict, model_state: dict | None = None) -> dict:
         """The linen variables `{"params": params, **model_state}` for `module.apply`, boxed
@@ -253,7 +270,7 @@ def _is_unit(module, classes) -> bool:
 
 def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, units=(),
                rngs=("dropout",), batch_axis: str | None = None,
-               sample_kwargs: dict | None = None) -> LinenModel:
+               sample_kwargs: dict | None = None, logical_axis_rules=None) -> LinenModel:
     """A zerojax model from a linen module and `loss_fn(apply, batch) -> loss | (loss, aux)`.
 
     `apply(*args, **kwargs)` is `module.apply` with this step's params, a fresh key for each
@@ -269,5 +286,10 @@ def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, unit
     root unit.
     `batch_axis`: the axis name the model's own collectives give the batch (e.g.
     `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
+    `logical_axis_rules`: flax's rules for the logical names of `nn.with_logical_partitioning`
+    and `nn.with_logical_constraint` (default: those in force here, `nn.logical_axis_rules`);
+    a name mapped to "model" is split over a mesh's model axis (tensor parallelism, see
+    docs/tensor-parallel.md), names mapped to "data", "replica" or None are left to ZeRO.
     """
-    return LinenModel(module, loss_fn, sample_args, units, rngs, batch_axis, sample_kwargs)
+    return LinenModel(module, loss_fn, sample_args, units, rngs, batch_axis, sample_kwargs,
+                      logical_axis_rules)

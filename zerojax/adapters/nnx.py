@@ -20,11 +20,12 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen
 import jax
 from flax import nnx
 from flax.nnx.transforms import iteration
 
-from zerojax.adapters.axes import check_batch_axis, model_axes
+from zerojax.adapters.axes import check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
     JaxWith,
     at_path,
@@ -54,7 +55,7 @@ class NNXModel:
     """An NNX module trained by zerojax (see `from_nnx`)."""
 
     def __init__(self, module: nnx.Module, loss_fn: Callable, units=(), rngs=("dropout",),
-                 batch_axis: str | None = None):
+                 batch_axis: str | None = None, logical_axis_rules=None):
         if not isinstance(module, nnx.Module):
             raise ModelError(f"from_nnx needs an nnx.Module, got {type(module).__name__}; "
                              f"for a linen module use zj.from_linen")
@@ -62,6 +63,8 @@ class NNXModel:
         self.classes = check_unit_classes(units)
         self.rng_names = tuple(rngs)
         self.batch_axis = check_batch_axis(batch_axis)
+        self.rules = check_rules(logical_axis_rules, "from_nnx") if logical_axis_rules \
+            is not None else (tuple(flax.linen.get_logical_axis_rules()) or None)
         self._loss_takes_rngs = takes_rngs(loss_fn, "loss_fn(model, batch)")
         self.graphdef, params, self._rngs, state = _split(module)
         self._params = jax.tree.map(_unpinned, nnx.to_pure_dict(params))
@@ -148,6 +151,13 @@ class NNXModel:
         if state is not None:
             nnx.replace_by_pure_dict(s, state)
         return nnx.merge(self.graphdef, p, rngs, s)
+
+    def param_specs(self) -> dict:
+        """The params' tensor-parallel plan from their sharding metadata (`nnx.with_partitioning`
+        names, mesh axes or logical names through the logical axis rules); none: replicated."""
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self._params_def))
+        return jax.tree.map(lambda s: mesh_spec(tuple(s), self.rules) if s else None, specs,
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
     def merge(self, params: dict, model_state: dict | None = None) -> nnx.Module:
         """A new module like the user's with `params` (e.g. `engine.params(state)`) and
@@ -250,7 +260,7 @@ def _unit_class(cls: type) -> type:
 
 
 def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=(), rngs=("dropout",),
-             batch_axis: str | None = None) -> NNXModel:
+             batch_axis: str | None = None, logical_axis_rules=None) -> NNXModel:
     """A zerojax model from an NNX module and `loss_fn(module, batch) -> loss | (loss, aux)`.
 
     Every instance of a class in `units` is one ZeRO unit (gathered before its call, freed
@@ -262,7 +272,10 @@ def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=(), rngs=("d
     loss's other parameters past the first two keep their defaults (one without a default is a
     ModelError: bind it with `functools.partial`). `batch_axis`: the axis name the model's own
     collectives give the batch (e.g. `nnx.BatchNorm(axis_name="batch")`); they then run over
-    the global batch.
+    the global batch. `logical_axis_rules`: flax's rules for logical names in the params'
+    sharding metadata (default: those in force here); a name mapped to "model" is split over a
+    mesh's model axis (docs/tensor-parallel.md). Build the module with eager sharding off
+    (`nnx.use_eager_sharding(False)`) or under `jax.set_mesh(zj.make_mesh(...))`.
     """
-    return NNXModel(module, loss_fn, units, rngs, batch_axis)
+    return NNXModel(module, loss_fn, units, rngs, batch_axis, logical_axis_rules)
 
