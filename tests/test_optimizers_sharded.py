@@ -1,6 +1,7 @@
-"""The optimizer table (optimizer_table.py) at stage 0 on N = 4, and at stage 3 on a 2x2 hybrid
-mesh with grad_accum=2 and the optimizer state offloaded: every optimizer, the numbers of
-single-device optax (test_optimizers.py has stages 1 and 2)."""
+"""The optimizer table (optimizer_table.py) at stage 0 on N = 4, at stage 3 on a 2x2 hybrid
+mesh with grad_accum=2 and the optimizer state offloaded, and with the bundles' matrices split
+over a model axis (stage 3 on data 4 x model 2, stage 1 on replica 2 x data 2 x model 2):
+every optimizer, the numbers of single-device optax (test_optimizers.py has stages 1 and 2)."""
 
 import optimizer_table as table
 import pytest
@@ -13,6 +14,15 @@ from helpers import sweep
 def test_optimizer_table_matches_single_device_optax(bundle, config):
     losses, params, _ = table.run(bundle, config)
     table.assert_matches(bundle, losses, params)
+
+
+# Bundle 0 holds the whole-matrix (Muon) and factored (Adafactor, SM3) optimizers.
+@pytest.mark.parametrize(("bundle", "config"), sweep(
+    [(b, c) for c in ("stage3-data4-model2", "stage1-hybrid2x2-model2")
+     for b in range(len(table.BUNDLES))], quick=[(0, "stage3-data4-model2")]))
+def test_optimizer_table_with_a_model_axis_matches_single_device_optax(bundle, config):
+    losses, params, _ = table.run(bundle, config)
+    table.assert_matches(bundle, losses, params, split=True)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
