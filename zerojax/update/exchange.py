@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import model_axis, model_map
+from zerojax.mesh import MODEL
 from zerojax.update.evaluate import run, vary_all_to
 from zerojax.update.placement import Placement
 from zerojax.update.program import Op, vary_all
@@ -183,9 +184,29 @@ def _work(p, wave, placements, args) -> list[list[int]]:
         sliced = [v if ax is None else v[lo:hi] for v, (_, ax) in zip(vals, a)]
         return g.run(sliced, [ax for _, ax in a], hi - lo)
 
+    def shared_slots(g, a, vals, lo, hi):
+        """`slots`, on a mesh with a model axis split over the devices of the model group
+        (each runs ⌈n/M⌉ of them; one all_gather over "model" joins the results)."""
+        m = dict(jax.sharding.get_abstract_mesh().shape).get(MODEL, 1)
+        n = hi - lo
+        if m == 1 or n < 2:
+            return slots(g, a, vals, lo, hi)
+        per = -(-n // m)
+        j = lax.axis_index(MODEL)
+        mine = []
+        for v, (_, ax) in zip(vals, a):
+            if ax is not None:  # this device's slots; the padding repeats the last one
+                v = v[lo:hi]
+                v = jnp.concatenate([v, jnp.repeat(v[-1:], per * m - n, axis=0)])
+                v = lax.dynamic_slice_in_dim(v, j * per, per, 0)
+            mine.append(v)
+        outs = g.run(mine, [ax for _, ax in a], per)
+        return tuple(lax.all_gather(x, MODEL, axis=0, tiled=True, to="invarying")[:n]
+                     for x in outs)
+
     def fn(d, *vals):
         per_group = [vals[s:s + n] for s, n in spans]
-        common = [slots(g, a, v, 0, pl.common)
+        common = [shared_slots(g, a, v, 0, pl.common)
                   for g, a, v, pl in zip(wave, args, per_group, placements)]
         if len(profiles) == 1:
             return tuple(x for outs in common for x in outs)
@@ -210,9 +231,10 @@ def _work(p, wave, placements, args) -> list[list[int]]:
     res_avals = [jax.ShapeDtypeStruct((pl.per_owner, *unit(g, e)), p.aval[k].dtype)
                  for g, pl in zip(wave, placements) for e, k in enumerate(g.out_keys)]
     if model_axis():
-        # Each device of a model group runs its data index's instances whole: the devices of
-        # one data index take one branch of the switch, the others another, so no collective
-        # over "model" that the compiler would insert may sit inside it.
+        # The devices of a model group share their data index's instances (`shared_slots`),
+        # each whole on one device, manual over "model": the devices of one data index take
+        # one branch of the switch, the others another, so no collective over "model" that
+        # the compiler would insert may sit inside it.
         run_fn = fn
         fn = lambda *vals: model_map(run_fn, tuple(P() for _ in vals),
                                      tuple(P() for _ in res_avals), differentiated=False)(*vals)
