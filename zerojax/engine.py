@@ -30,7 +30,7 @@ from zerojax.mesh import (
     put_batch,
     remember_batch,
 )
-from zerojax.partition import Layout, LeafSpec, manual, spec_split, split_leaves
+from zerojax.partition import Layout, LeafSpec, manual, model_plan
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.state import TrainState, check_state
 from zerojax.step import (
@@ -129,19 +129,7 @@ class Engine:
 
     def _splits(self, leaves: tuple[LeafSpec, ...], treedef) -> tuple[LeafSpec, ...]:
         """`leaves` split over the mesh's `model` axis as the model's `param_specs()` says."""
-        specs = getattr(self.model, "param_specs", None)
-        splits = {}
-        if callable(specs):
-            tree = specs()
-            try:
-                flat = treedef.flatten_up_to(tree)
-            except (ValueError, TypeError) as e:
-                raise ModelError(f"the model's param_specs() does not match its params' "
-                                 f"structure ({e}); return a PartitionSpec (or None) per "
-                                 f"param leaf, as init() returns them") from None
-            splits = {leaf.path: spec_split(spec, leaf.shape, leaf.path)
-                      for leaf, spec in zip(leaves, flat)}
-        return split_leaves(leaves, splits, self.model_parallel)
+        return model_plan(self.model, leaves, treedef, self.model_parallel)
 
     def set_units(self, leaves: tuple[LeafSpec, ...], treedef) -> None:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss;

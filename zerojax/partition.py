@@ -281,3 +281,20 @@ def split_leaves(leaves: tuple[LeafSpec, ...], splits: dict[str, int | None],
                           f"NNX sharding metadata, or the model's param_specs()), or build the "
                           f"mesh without model=")
     return tuple(out)
+
+
+def model_plan(model, leaves: tuple[LeafSpec, ...], treedef, devices: int) -> tuple[LeafSpec, ...]:
+    """`leaves` split over a `model` axis of `devices` as `model.param_specs()` says (a
+    PartitionSpec or None per param leaf); none split for a model without the method."""
+    specs = getattr(model, "param_specs", None)
+    splits = {}
+    if callable(specs):
+        try:
+            flat = treedef.flatten_up_to(specs())
+        except (ValueError, TypeError) as e:
+            raise ModelError(f"the model's param_specs() does not match its params' structure "
+                             f"({e}); return a PartitionSpec (or None) per param leaf, as init() "
+                             f"returns them") from None
+        splits = {leaf.path: spec_split(spec, leaf.shape, leaf.path)
+                  for leaf, spec in zip(leaves, flat)}
+    return split_leaves(tuple(leaves), splits, devices)

@@ -35,10 +35,10 @@ from zerojax.collectives import (
     all_reduce,
     gather_layer,
     gather_units,
-    on_pieces,
     reduce_scatter_leaf,
     vary,
 )
+from zerojax.collectives.pieces import on_pieces
 from zerojax.config import ZeroConfig
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, REPLICA

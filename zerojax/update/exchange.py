@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.collectives import model_axis, model_map
+from zerojax.collectives.pieces import model_axis, model_map
 from zerojax.mesh import MODEL
 from zerojax.update.evaluate import run, vary_all_to
 from zerojax.update.placement import Placement
