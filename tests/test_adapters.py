@@ -288,17 +288,23 @@ def test_nnx_units_free_gathered_blocks():
     rngs = nnx.Rngs(0)
     model = NNXLM(rngs, layers=L8, d=32, block=lambda: MLPBlock(32, rngs))
     batch = lm_batch(0)
-    whole, num_params, _ = stage3(zj.from_nnx(model, nnx_loss), batch)
+    whole, num_params, _ = stage3(zj.from_nnx(model, nnx_loss, units=()), batch)
     per_block, _, hlo = stage3(zj.from_nnx(model, nnx_loss, units=(MLPBlock,)), batch)
     assert per_block <= whole - 0.5 * 4 * num_params  # fp32 compute params
+    # Without units= the repeated block is found: the same program.
+    auto = zj.from_nnx(model, nnx_loss)
+    assert auto.classes == (MLPBlock,) and stage3(auto, batch)[0] == per_block
     assert all_gathers(hlo) == 1 + 2 * L8  # root; each block forward and in backward
 
 
-def test_nnx_scan_units_free_gathered_layers():
+def test_nnx_scan_units_free_gathered_layers(caplog):
     model = ScannedNNXLM(nnx.Rngs(0), layers=L8, d=32)
     batch = lm_batch(0)
-    whole, num_params, hlo_whole = stage3(zj.from_nnx(model, nnx_loss), batch)
-    per_layer, _, hlo = stage3(zj.from_nnx(model, nnx_loss, units=(Block,)), batch)
+    whole, num_params, hlo_whole = stage3(zj.from_nnx(model, nnx_loss, units=()), batch)
+    with caplog.at_level("INFO", logger="zerojax"):
+        auto = zj.from_nnx(model, nnx_loss)  # the nnx.vmap stack is found: one unit per layer
+    assert auto.classes == (Block,) and "units=(Block) chosen: the stacked layers" in caplog.text
+    per_layer, _, hlo = stage3(auto, batch)
     assert per_layer <= whole - 0.5 * 4 * num_params
     sent = lambda text: collective_bytes(text, N)["all_gather"]  # noqa: E731
     assert sent(hlo) > 1.8 * sent(hlo_whole)  # each layer gathered forward and in backward
@@ -308,10 +314,14 @@ def test_linen_scan_units_free_gathered_layers():
     module = LinenLM(layers=L8, d=32)
     batch = lm_batch(0)
     sample = jax.ShapeDtypeStruct((1, T), jnp.int32)  # as for module.init: arrays or shapes
-    whole, num_params, hlo_whole = stage3(zj.from_linen(module, linen_loss, sample), batch)
+    whole, num_params, hlo_whole = stage3(zj.from_linen(module, linen_loss, sample, units=()),
+                                          batch)
     per_layer, _, hlo = stage3(zj.from_linen(module, linen_loss, sample, units=(ScanBlock,)),
                                batch)
     assert per_layer <= whole - 0.5 * 4 * num_params
+    # Without units= the nn.scan stack is found: the per-layer program, its peak to the byte.
+    auto = zj.from_linen(module, linen_loss, sample)
+    assert auto.classes == (ScanBlock,) and stage3(auto, batch)[0] == per_layer
     # The layers are gathered inside the loops, once forward and once backward.
     sent = lambda text: collective_bytes(text, N)["all_gather"]  # noqa: E731
     assert sent(hlo) > 1.8 * sent(hlo_whole)

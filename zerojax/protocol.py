@@ -61,6 +61,12 @@ class Model(Protocol):
     `units.set_state`. A state left per device (statistics of the device's batch) is averaged
     over the batch axes after each step; a model that names `zerojax.batch_axes(mesh)` in a
     collective (`lax.pmean`) computes global-batch statistics instead.
+
+    Optional: `param_specs()` returns the model's tensor-parallel plan, a pytree like `init`'s
+    with a `jax.sharding.PartitionSpec` (or None) per param leaf, naming mesh axes for the
+    leaf's dimensions (a stacked leaf's first is its layer axis). On a mesh with a `model`
+    axis (`make_mesh(model=M)`) the dimension named "model" is split over it, Megatron-style
+    (docs/tensor-parallel.md); other names ("data", "replica") are ZeRO's business and ignored.
     """
 
     def init(self, rng: jax.Array) -> PyTree: ...

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -108,6 +110,54 @@ def placeholder(a) -> jax.Array:
     instead of the gathered value cannot pass unnoticed (XLA drops it when unused)."""
     fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else 0
     return jnp.full(a.shape, fill, a.dtype)
+
+
+LOG = logging.getLogger("zerojax")
+
+
+@dataclass(frozen=True)
+class Found:
+    """One submodule instance that holds params: its path, class, params and whether its
+    params are a stack of layers (`nn.scan`, `nnx.vmap`)."""
+
+    path: tuple
+    cls: type
+    params: int
+    stacked: bool
+
+
+def pick_units(found: list[Found], where: str) -> tuple[type, ...]:
+    """The unit classes `from_linen` / `from_nnx` choose when `units=` is not given: the
+    classes of stacked layers; else the outermost class of the model's own (not flax's) with
+    the most instances (at least two); else flax's layer class with the most instances; else
+    none (the whole model is one unit). Logged on the "zerojax" logger."""
+    def reason(classes, why):
+        names = ", ".join(c.__name__ for c in classes) or "none"
+        LOG.info("%s: units=(%s) chosen: %s; pass units= to choose yourself (units=() for "
+                 "the whole model as one unit)", where, names, why)
+        return classes
+
+    def inside(f, fs):  # f lies within another instance of fs
+        return any(g.path != f.path and f.path[:len(g.path)] == g.path for g in fs)
+
+    layers = [f for f in found if f.stacked]
+    stacked = tuple(dict.fromkeys(f.cls for f in layers if not inside(f, layers)))
+    if stacked:
+        return reason(stacked, "the stacked layers (one unit per layer)")
+    by_class: dict[type, list[Found]] = {}
+    for f in found:
+        by_class.setdefault(f.cls, []).append(f)
+    repeated = {c: fs for c, fs in by_class.items() if len(fs) >= 2}
+    own = {c: fs for c, fs in repeated.items() if not c.__module__.startswith("flax.")}
+    if own:
+        every = [f for fs in own.values() for f in fs]
+        outer = {c: fs for c, fs in own.items() if not all(inside(f, every) for f in fs)}
+        best = max(outer.items(), key=lambda kv: (len(kv[1]), sum(f.params for f in kv[1])))
+        return reason((best[0],), f"the model's block repeated {len(best[1])} times")
+    if repeated:
+        best = max(repeated.items(), key=lambda kv: (len(kv[1]), sum(f.params for f in kv[1])))
+        return reason((best[0],), f"the layer repeated {len(best[1])} times")
+    return reason((), "no repeated block; the whole model is one unit")
 
 
 def check_unit_classes(units: Any) -> tuple[type, ...]:

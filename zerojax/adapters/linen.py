@@ -20,14 +20,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import axes_scan, meta
 
 from zerojax.adapters.axes import bound_axes, check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
+    Found,
     LaxWith,
     at_path,
     check_unit_classes,
     fresh_key,
+    pick_units,
     placeholder,
     put_paths,
     scan_through,
@@ -42,7 +45,7 @@ from zerojax.errors import ModelError
 class LinenModel:
     """A linen module trained by zerojax (see `from_linen`)."""
 
-    def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=(),
+    def __init__(self, module: nn.Module, loss_fn: Callable, sample_args, units=None,
                  rngs=("dropout",), batch_axis: str | None = None, sample_kwargs=None,
                  logical_axis_rules=None):
         if not isinstance(module, nn.Module):
@@ -62,7 +65,7 @@ class LinenModel:
         self.sample_args, self.sample_kwargs = jax.tree.map(
             lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
             (sample_args, dict(sample_kwargs or {})))
-        self.classes = check_unit_classes(units)
+        self.classes = () if units is None else check_unit_classes(units)
         self.rng_names = tuple(rngs)
         self.boxes = jax.eval_shape(self._boxed_variables, jax.random.key(0))  # as module.init
         abstract = unbox(self.boxes)
@@ -70,6 +73,8 @@ class LinenModel:
             raise ModelError(f"{type(module).__name__}.init(...) made no params; check "
                              f"sample_args, the arguments of one call of the module")
         self.state_cols = tuple(c for c in abstract if c != "params")
+        if units is None:
+            self.classes = pick_units(self._submodules(abstract), "from_linen")
         self.instances, self.stacks = self._find_units(abstract)
         if self.state_cols:
             self.init_state = self._init_state
@@ -93,6 +98,42 @@ class LinenModel:
     def _init_state(self, rng: jax.Array) -> dict:
         return {c: v for c, v in self._variables(rng).items() if c != "params"}
 
+    def _run(self, abstract, intercept) -> None:
+        """One abstract call of the module on the sample arguments under `intercept`."""
+        def run(variables):
+            rngs = {n: jax.random.key(0) for n in self.rng_names}
+            with nn.intercept_methods(intercept):
+                self.module.apply(variables, *self.sample_args, rngs=rngs,
+                                  mutable=list(self.state_cols), **self.sample_kwargs)
+
+        jax.eval_shape(bound_axes(run, self.batch_axis), abstract)
+
+    def _submodules(self, abstract) -> list[Found]:
+        """Every submodule instance the sample call runs that holds params."""
+        seen: dict[tuple, Found] = {}
+
+        def record(next_fun, args, kwargs, ctx):
+            m = ctx.module
+            path = m.path
+            if path and path not in seen and type(m).__module__ != nn.transforms.__name__:
+                mine = m.variables.get("params", {})
+                full = at_path(abstract["params"], path)
+                pairs = list(zip(map(jnp.shape, jax.tree.leaves(full)),
+                                 map(jnp.shape, jax.tree.leaves(mine))))
+                stacked = bool(pairs) and pairs[0][0] != pairs[0][1]
+                # a stack scanned over another axis than 0 cannot be a unit (see Apply)
+                if pairs and (not stacked or all(f[1:] == s and f[0] == pairs[0][0][0]
+                                                 for f, s in pairs)):
+                    seen[path] = Found(path, type(m), sum(int(np.prod(f)) for f, _ in pairs),
+                                       stacked)
+                elif pairs:
+                    moved.add(path)
+            return next_fun(*args, **kwargs)
+
+        moved: set[tuple] = set()
+        self._run(abstract, record)
+        return [f for p, f in seen.items() if not any(p[:len(q)] == q for q in moved)]
+
     def _find_units(self, abstract) -> tuple[list[tuple], dict[tuple, Any]]:
         """Paths of the unit instances called directly, and of those stacked by `nn.scan`
         (with the stacked params' abstract values)."""
@@ -109,13 +150,7 @@ class LinenModel:
             finally:
                 depth[0] -= top
 
-        def run(variables):
-            rngs = {n: jax.random.key(0) for n in self.rng_names}
-            with nn.intercept_methods(record):
-                self.module.apply(variables, *self.sample_args, rngs=rngs,
-                                  mutable=list(self.state_cols), **self.sample_kwargs)
-
-        jax.eval_shape(bound_axes(run, self.batch_axis), abstract)
+        self._run(abstract, record)
         if self.classes and not found:
             names = ", ".join(c.__name__ for c in self.classes)
             raise ModelError(f"the model calls no instance of the unit class(es) {names}; "
@@ -268,7 +303,7 @@ def _is_unit(module, classes) -> bool:
     return isinstance(module, classes) and type(module).__module__ != nn.transforms.__name__
 
 
-def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, units=(),
+def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, units=None,
                rngs=("dropout",), batch_axis: str | None = None,
                sample_kwargs: dict | None = None, logical_axis_rules=None) -> LinenModel:
     """A zerojax model from a linen module and `loss_fn(apply, batch) -> loss | (loss, aux)`.
@@ -283,7 +318,9 @@ def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, unit
     module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s; `sample_kwargs={"train":
     False}` for a required keyword-only flag). Every instance of a class in `units` is one
     ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining params form one
-    root unit.
+    root unit. Without `units=` the repeated blocks are found (`common.pick_units`: the
+    `nn.scan` stacks, else the model's own class with the most instances) and logged on the
+    "zerojax" logger; `units=()` makes the whole model one unit.
     `batch_axis`: the axis name the model's own collectives give the batch (e.g.
     `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
     `logical_axis_rules`: flax's rules for the logical names of `nn.with_logical_partitioning`

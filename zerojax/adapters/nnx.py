@@ -22,15 +22,18 @@ from typing import Any
 
 import flax.linen
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx.transforms import iteration
 
 from zerojax.adapters.axes import check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
+    Found,
     JaxWith,
     at_path,
     check_unit_classes,
     fresh_key,
+    pick_units,
     placeholder,
     put_paths,
     scan_through,
@@ -54,13 +57,14 @@ def _split(module):
 class NNXModel:
     """An NNX module trained by zerojax (see `from_nnx`)."""
 
-    def __init__(self, module: nnx.Module, loss_fn: Callable, units=(), rngs=("dropout",),
+    def __init__(self, module: nnx.Module, loss_fn: Callable, units=None, rngs=("dropout",),
                  batch_axis: str | None = None, logical_axis_rules=None):
         if not isinstance(module, nnx.Module):
             raise ModelError(f"from_nnx needs an nnx.Module, got {type(module).__name__}; "
                              f"for a linen module use zj.from_linen")
         self.loss_fn = loss_fn
-        self.classes = check_unit_classes(units)
+        self.classes = pick_units(_submodules(module), "from_nnx") if units is None \
+            else check_unit_classes(units)
         self.rng_names = tuple(rngs)
         self.batch_axis = check_batch_axis(batch_axis)
         self.rules = check_rules(logical_axis_rules, "from_nnx") if logical_axis_rules \
@@ -206,6 +210,25 @@ class NNXModel:
         return out
 
 
+def _submodules(module) -> list[Found]:
+    """Every submodule of `module` that holds params; "stacked" when the module is the
+    model's own and all its params share a leading axis of two or more (`nnx.vmap`'s layers)."""
+    out = []
+    for path, node in nnx.iter_graph(module):
+        if not path or not isinstance(node, nnx.Module):
+            continue
+        leaves = jax.tree.leaves(nnx.state(node, nnx.Param))
+        if not leaves:
+            continue
+        shapes = [jax.numpy.shape(x) for x in leaves]
+        lead = {s[0] if len(s) >= 2 else None for s in shapes}
+        stacked = (not type(node).__module__.startswith("flax.") and len(lead) == 1
+                   and None not in lead and lead.pop() >= 2)
+        out.append(Found(tuple(path), type(node), sum(int(np.prod(s)) for s in shapes),
+                         stacked))
+    return out
+
+
 def _unpinned(x):
     """`x`, or a copy on one device when its type carries a sharding on an explicit-axes mesh
     (NNX's eager sharding under `jax.set_mesh`): the engine's init computes on the plain
@@ -259,12 +282,14 @@ def _unit_class(cls: type) -> type:
     return _UNIT_CLASSES[cls]
 
 
-def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=(), rngs=("dropout",),
+def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=None, rngs=("dropout",),
              batch_axis: str | None = None, logical_axis_rules=None) -> NNXModel:
     """A zerojax model from an NNX module and `loss_fn(module, batch) -> loss | (loss, aux)`.
 
     Every instance of a class in `units` is one ZeRO unit (gathered before its call, freed
-    after, gathered again in backward); the remaining params form one root unit. `units=()`:
+    after, gathered again in backward); the remaining params form one root unit. Without
+    `units=` the repeated blocks are found (`common.pick_units`: stacked layers, else the
+    model's own class with the most instances) and logged on the "zerojax" logger; `units=()`:
     the whole model is one unit. The module's `nnx.BatchStat`s and other non-param variables
     are the model state; its RNG streams draw fresh keys from the engine every step.
     `loss_fn(module, batch, rngs)`: a parameter named `rngs` gets an `nnx.Rngs` of the step's
