@@ -210,7 +210,7 @@ class ShardedUpdate:
             prog, _, planner = shard_jaxpr(
                 closed, self._in_reps(self.state_reps, finite), self._out_reps(self.state_reps),
                 shards=self.shards, axis=self.axis,
-                hooks=Owners() if self.shards > 1 and self.owners else None)
+                hooks=Owners(self.layout.model) if self.shards > 1 and self.owners else None)
             self._programs[key] = (prog, treedef, planner)
         return self._programs[key]
 
@@ -292,7 +292,8 @@ class ShardedUpdate:
         waves: dict[int, list] = {}
         for w, pl, _ in groups:
             waves.setdefault(w, []).append(pl)
-        per_wave = [loads(pls, self.shards) for pls in waves.values()]
+        # per device: over data, or over data x model (device d·M + j) with a model axis
+        per_wave = [loads(pls, len(pls[0].slots)) for pls in waves.values()]
         return {"rounds": rounds, "owner_groups": [
                     {"wave": w, "instances": pl.instances, "per_owner": pl.per_owner,
                      "owned": [len(s) for s in pl.slots], "by_layer": lay, "flops": pl.flops}

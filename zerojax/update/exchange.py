@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.collectives.pieces import model_axis, model_map
+from zerojax.collectives.pieces import model_map
 from zerojax.mesh import MODEL
 from zerojax.update.evaluate import run, vary_all_to
 from zerojax.update.placement import Placement
@@ -69,16 +69,20 @@ class Group:
         return tuple(jax.vmap(one, in_axes=list(axes))(*args))
 
 
-def emit(p, wave: list[Group], placements: list[Placement]) -> None:
+def emit(p, wave: list[Group], placements: list[Placement],
+         by_device: list[Placement] | None = None) -> None:
     """The ops of `wave` (groups that read none of each other's results) on `p`, each group's
-    instances where `placements` put them."""
+    instances where `placements` put them (over the data axis). With a model axis of M,
+    `by_device` places them over the D·M devices (device d·M + j: data index d, model index
+    j), `placements` being their union per data index."""
     ins = [_exchange_in(p, g, pl) for g, pl in zip(wave, placements)]
     # One exchange in per dtype for the whole wave: a group whose region starts earlier (an
     # embedding transposed before its normalization) waits for the others' inputs.
     got = iter(_all_to_all(p, [k for a in ins for k, _, un in a if un is not None]))
     args = [[(k, ax) if un is None else (p.local(un[0], [next(got)], [un[1]], [WHOLE])[0], ax)
              for k, ax, un in a] for a in ins]
-    results = _work(p, wave, placements, args)
+    results = _work(p, wave, placements, args) if by_device is None else \
+        _work_shared(p, wave, placements, by_device, args)
     for g, pl, res in zip(wave, placements, results):
         _exchange_out(p, g, pl, res)
 
@@ -159,6 +163,40 @@ def _send(p, g: Group, pl: Placement, keys) -> tuple:
     return send, 0, (unpack, jax.ShapeDtypeStruct((c, *shape), dtype))
 
 
+class _Slots:
+    """The wave's arguments as one local op reads them, and the region of a group over a range
+    of this owner's slots."""
+
+    def __init__(self, p, wave, args):
+        self.p, self.wave, self.args = p, wave, args
+        self.spans, self.keys = [], []
+        for a in args:
+            self.spans.append((len(self.keys), len(a)))
+            self.keys += [k for k, _ in a]
+
+    def by_group(self, vals):
+        return [vals[s:s + n] for s, n in self.spans]
+
+    def unit(self, g, e):  # an export's value for one instance
+        shape = tuple(self.p.aval[g.out_keys[e]].shape)
+        return shape[1:] if g.layered else shape
+
+    def run(self, g, a, vals, lo, hi):
+        """The region over slots lo..hi-1: outputs [hi - lo, ...]."""
+        if hi == lo:
+            return tuple(vary_all_to([jnp.zeros((0, *self.unit(g, e)), self.p.aval[k].dtype)
+                                      for e, k in enumerate(g.out_keys)], vals))
+        sliced = [v if ax is None else v[lo:hi] for v, (_, ax) in zip(vals, a)]
+        return g.run(sliced, [ax for _, ax in a], hi - lo)
+
+    def results(self, flat):
+        out, i = [], 0
+        for g in self.wave:
+            out.append(flat[i:i + len(g.out_keys)])
+            i += len(g.out_keys)
+        return out
+
+
 def _work(p, wave, placements, args) -> list[list[int]]:
     """One local op: every group's common slots, then this device's further instances (a
     switch over the distinct per-device profiles). Per group, its exports' keys [c, ...]."""
@@ -167,46 +205,12 @@ def _work(p, wave, placements, args) -> list[list[int]]:
     profiles = sorted(set(profile))
     which = np.array([profiles.index(q) for q in profile], np.int32)
     tops = [max(q[i] for q in profiles) for i in range(len(wave))]  # extra slots per group
-    spans, keys = [], []
-    for a in args:
-        spans.append((len(keys), len(a)))
-        keys += [k for k, _ in a]
-
-    def unit(g, e):  # an export's value for one instance
-        shape = tuple(p.aval[g.out_keys[e]].shape)
-        return shape[1:] if g.layered else shape
-
-    def slots(g, a, vals, lo, hi):
-        """The region over slots lo..hi-1: outputs [hi - lo, ...]."""
-        if hi == lo:
-            return tuple(vary_all_to([jnp.zeros((0, *unit(g, e)), p.aval[k].dtype)
-                                      for e, k in enumerate(g.out_keys)], vals))
-        sliced = [v if ax is None else v[lo:hi] for v, (_, ax) in zip(vals, a)]
-        return g.run(sliced, [ax for _, ax in a], hi - lo)
-
-    def shared_slots(g, a, vals, lo, hi):
-        """`slots`, on a mesh with a model axis split over the devices of the model group
-        (each runs ⌈n/M⌉ of them; one all_gather over "model" joins the results)."""
-        m = dict(jax.sharding.get_abstract_mesh().shape).get(MODEL, 1)
-        n = hi - lo
-        if m == 1 or n < 2:
-            return slots(g, a, vals, lo, hi)
-        per = -(-n // m)
-        j = lax.axis_index(MODEL)
-        mine = []
-        for v, (_, ax) in zip(vals, a):
-            if ax is not None:  # this device's slots; the padding repeats the last one
-                v = v[lo:hi]
-                v = jnp.concatenate([v, jnp.repeat(v[-1:], per * m - n, axis=0)])
-                v = lax.dynamic_slice_in_dim(v, j * per, per, 0)
-            mine.append(v)
-        outs = g.run(mine, [ax for _, ax in a], per)
-        return tuple(lax.all_gather(x, MODEL, axis=0, tiled=True, to="invarying")[:n]
-                     for x in outs)
+    w = _Slots(p, wave, args)
+    spans, unit, slots = w.spans, w.unit, w.run
 
     def fn(d, *vals):
         per_group = [vals[s:s + n] for s, n in spans]
-        common = [shared_slots(g, a, v, 0, pl.common)
+        common = [slots(g, a, v, 0, pl.common)
                   for g, a, v, pl in zip(wave, args, per_group, placements)]
         if len(profiles) == 1:
             return tuple(x for outs in common for x in outs)
@@ -230,20 +234,54 @@ def _work(p, wave, placements, args) -> list[list[int]]:
 
     res_avals = [jax.ShapeDtypeStruct((pl.per_owner, *unit(g, e)), p.aval[k].dtype)
                  for g, pl in zip(wave, placements) for e, k in enumerate(g.out_keys)]
-    if model_axis():
-        # The devices of a model group share their data index's instances (`shared_slots`),
-        # each whole on one device, manual over "model": the devices of one data index take
-        # one branch of the switch, the others another, so no collective over "model" that
-        # the compiler would insert may sit inside it.
-        run_fn = fn
-        fn = lambda *vals: model_map(run_fn, tuple(P() for _ in vals),
-                                     tuple(P() for _ in res_avals), differentiated=False)(*vals)
-    flat = p.local(fn, [p.device(), *keys], res_avals, [WHOLE] * len(res_avals))
-    out, i = [], 0
-    for g in wave:
-        out.append(flat[i:i + len(g.out_keys)])
-        i += len(g.out_keys)
-    return out
+    return w.results(p.local(fn, [p.device(), *w.keys], res_avals, [WHOLE] * len(res_avals)))
+
+
+def _work_shared(p, wave, placements, by_device, args) -> list[list[int]]:
+    """`_work` on a mesh with a model axis: each of the D·M devices runs its own instances
+    (`by_device`, one switch over the distinct per-device profiles), manual over "model", and
+    one all_gather over "model" per export joins a data index's instances in its slot order.
+    Manual, because the devices of one data index take different branches: no collective over
+    "model" that the compiler would insert may sit inside a branch."""
+    m = len(by_device[0].slots) // p.shards
+    # device v = d·M + j runs slots [start, start + count) of data index d's slot list
+    starts = [[sum(len(pl.slots[v - v % m + i]) for i in range(v % m)) for v in
+               range(len(pl.slots))] for pl in by_device]
+    profile = [tuple((st[v], len(pl.slots[v])) for st, pl in zip(starts, by_device))
+               for v in range(len(by_device[0].slots))]
+    profiles = sorted(set(profile))
+    which = np.array([profiles.index(q) for q in profile], np.int32)
+    cv = [max(len(s) for s in pl.slots) for pl in by_device]  # rows per device and group
+    # data index d's slot t: row j·cv + (t - start) of the gathered [M·cv] rows
+    tables = [np.array([[j * c + t for j in range(m) for t in range(len(pl.slots[d * m + j]))]
+                        + [0] * (dpl.per_owner - len(dpl.slots[d])) for d in range(p.shards)],
+                       np.int32) for pl, dpl, c in zip(by_device, placements, cv)]
+    w = _Slots(p, wave, args)
+
+    def fn(d, *vals):
+        def branch(q):
+            def b(*vals):
+                outs = []
+                for g, a, v, (start, count), c in zip(wave, args, w.by_group(vals), q, cv):
+                    for x in w.run(g, a, v, start, start + count):
+                        outs.append(jnp.pad(x, [(0, c - count)] + [(0, 0)] * (x.ndim - 1)))
+                return tuple(vary_all_to(outs, vals))
+            return b
+
+        me = d * m + lax.axis_index(MODEL)
+        mine = iter(lax.switch(jnp.asarray(which)[me], [branch(q) for q in profiles], *vals))
+        out = []
+        for g, tbl in zip(wave, tables):
+            for _ in g.out_keys:
+                rows = lax.all_gather(next(mine), MODEL, axis=0, tiled=True, to="invarying")
+                out.append(jnp.take(rows, jnp.asarray(tbl)[d], axis=0))
+        return tuple(out)
+
+    res_avals = [jax.ShapeDtypeStruct((pl.per_owner, *w.unit(g, e)), p.aval[k].dtype)
+                 for g, pl in zip(wave, placements) for e, k in enumerate(g.out_keys)]
+    run = lambda *vals: model_map(fn, tuple(P() for _ in vals), tuple(P() for _ in res_avals),
+                                  differentiated=False)(*vals)
+    return w.results(p.local(run, [p.device(), *w.keys], res_avals, [WHOLE] * len(res_avals)))
 
 
 def _exchange_out(p, g: Group, pl: Placement, results: list[int]) -> None:

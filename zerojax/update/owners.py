@@ -65,7 +65,8 @@ class Region:
 class Owners:
     """The planner's hooks (interpret.Planner.hooks) that form and emit owner regions."""
 
-    def __init__(self):
+    def __init__(self, model: int = 1):
+        self.model = model  # M: the devices of a model group share their owner's instances
         self.regions: dict[int, Region] = {}
         self.parent: dict[int, int] = {}
         self.cache: dict[tuple, int] = {}
@@ -199,9 +200,14 @@ class Owners:
         made = [Group(p, members, layered) for (layered, _), bins in groups.items()
                 for members in bins]
         for w, wave in enumerate(self._waves(p, made)):
-            placements = place([(g.M, self._flops(p, g)) for g in wave], p.shards)
-            self.groups += [(w, pl, g.layered) for g, pl in zip(wave, placements)]
-            emit(p, wave, placements)
+            costs = [(g.M, self._flops(p, g)) for g in wave]
+            if self.model == 1:
+                placements, by_device = place(costs, p.shards), None
+            else:  # over the D·M devices; a data index owns its model group's instances
+                by_device = place(costs, p.shards * self.model)
+                placements = [pl.joined(self.model) for pl in by_device]
+            self.groups += [(w, pl, g.layered) for g, pl in zip(wave, by_device or placements)]
+            emit(p, wave, placements, by_device)
 
     def _waves(self, p: Planner, groups: list[Group]) -> list[list[Group]]:
         """`groups` in waves, in the order they can run: a wave's groups read none of each

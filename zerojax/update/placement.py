@@ -62,6 +62,13 @@ class Placement:
                 out[j] = d * c + t
         return out
 
+    def joined(self, m: int) -> Placement:
+        """The placement over N/m devices whose device d owns devices d·m .. d·m + m - 1's
+        instances, in that order (a data index and its model group)."""
+        n = len(self.slots) // m
+        return Placement(tuple(sum(self.slots[d * m:(d + 1) * m], ()) for d in range(n)),
+                         self.flops)
+
     @property
     def in_order(self) -> bool:
         """Whether instance j sits at position j (the slots are filled in instance order)."""
