@@ -285,12 +285,14 @@ def split_leaves(leaves: tuple[LeafSpec, ...], splits: dict[str, int | None],
 
 def model_plan(model, leaves: tuple[LeafSpec, ...], treedef, devices: int) -> tuple[LeafSpec, ...]:
     """`leaves` split over a `model` axis of `devices` as `model.param_specs()` says (a
-    PartitionSpec or None per param leaf); none split for a model without the method."""
+    PartitionSpec or None per param leaf); none split for a model without the method, or
+    whose method returns None."""
     specs = getattr(model, "param_specs", None)
+    tree = specs() if callable(specs) else None  # None: nothing split
     splits = {}
-    if callable(specs):
+    if tree is not None:
         try:
-            flat = treedef.flatten_up_to(specs())
+            flat = treedef.flatten_up_to(tree)
         except (ValueError, TypeError) as e:
             raise ModelError(f"the model's param_specs() does not match its params' structure "
                              f"({e}); return a PartitionSpec (or None) per param leaf, as init() "

@@ -64,9 +64,10 @@ class Model(Protocol):
 
     Optional: `param_specs()` returns the model's tensor-parallel plan, a pytree like `init`'s
     with a `jax.sharding.PartitionSpec` (or None) per param leaf, naming mesh axes for the
-    leaf's dimensions (a stacked leaf's first is its layer axis). On a mesh with a `model`
-    axis (`make_mesh(model=M)`) the dimension named "model" is split over it, Megatron-style
-    (docs/tensor-parallel.md); other names ("data", "replica") are ZeRO's business and ignored.
+    leaf's dimensions (a stacked leaf's first is its layer axis), or None for no plan. On a
+    mesh with a `model` axis (`make_mesh(model=M)`) the dimension named "model" is split over
+    it, Megatron-style (docs/tensor-parallel.md); other names ("data", "replica") are ZeRO's
+    business and ignored.
     """
 
     def init(self, rng: jax.Array) -> PyTree: ...
