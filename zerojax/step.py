@@ -325,8 +325,12 @@ def _refresh(plan: StepPlan, masters: list, old) -> Any:
     return layout.unflatten(out)
 
 
-def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
-    """Loss (and aux metrics) on this device's batch slice, without gradients or updates."""
+def local_eval(plan: StepPlan, state: TrainState, batch, real, offset) -> dict:
+    """The sums of the loss and aux metrics over the real examples of all devices' batch
+    slices, without gradients or updates: each device's mean times its number of real examples
+    (`real`: 1 per real example, 0 per pad; a device holds only real examples or, in the
+    padded part of an evaluation, one example), summed over the devices. `offset`: the global
+    batch index of this part's first example (for the per-example keys)."""
     stage = plan.config.stage
     comp = compute_params(plan, state)
     # No backward: stages 0-2 read their replicated params directly; stage 3 gathers units.
@@ -336,9 +340,13 @@ def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
     ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
     units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False,
                        key=key, state=state.model_state, training=False, example_key=ex_key,
-                       rows=first + jnp.arange(local), wire=plan.wire)
+                       rows=offset + first + jnp.arange(local), wire=plan.wire)
     loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
-    return _mean_metrics(loss, aux, plan.axes)
+    count = jnp.sum(real)
+    # where, not a product: a device holding only pads adds nothing, even a NaN of its own.
+    total = lambda v: lax.psum(jnp.where(count > 0, jnp.asarray(v, jnp.float32) * count, 0.0),
+                               plan.axes)
+    return {"loss": total(loss), **{name: total(v) for name, v in aux.items()}}
 
 
 def _mean_metrics(loss, aux: dict, axes) -> dict:
