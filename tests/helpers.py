@@ -136,13 +136,12 @@ def sweep(values, quick):
 def by_tag(records: list[dict], dtype=np.float32) -> dict[str, dict[int, float]]:
     """What a run's sinks should hold of `records`: each value by tag and step, in `dtype`
     (TensorBoard keeps float32, W&B float64)."""
-    from zerojax.app.sinks import TAGS
+    from zerojax.app.sinks import scalars
 
     out: dict[str, dict[int, float]] = {}
     for r in records:
-        for k, v in r.items():
-            if k in TAGS:
-                out.setdefault(TAGS[k], {})[r["step"]] = float(dtype(v))
+        for k, v in scalars(r).items():
+            out.setdefault(k, {})[r["step"]] = float(dtype(v))
     return out
 
 

@@ -114,3 +114,39 @@ def test_evaluate_weights_each_devices_loss_by_its_real_examples():
     per_device = [v[0:2].sum(), v[2:4].sum(), v[4:6].sum(), v[6:8].sum(), v[8], v[9]]
     want = (2 * sum(per_device[:4]) + per_device[4] + per_device[5]) / 10
     assert float(e.evaluate(state, {"x": x})["loss"]) == pytest.approx(want, rel=1e-6)
+
+
+def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
+    """What `RunLog.step` adds to a step's metrics: the lr an optimizer state carries, tokens
+    from the batch, float16's skipped steps summed, the model's aux metrics under `metrics/`,
+    device memory where the backend reports it; the plot drawn during the run."""
+    from helpers import by_tag, tensorboard_scalars
+
+    from zerojax.app import runlog
+
+    class Device:
+        def __init__(self, used):
+            self.used = used
+
+        def memory_stats(self):
+            return {"bytes_in_use": self.used, "peak_bytes_in_use": 2 * self.used}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(5), Device(7)])
+    batch = {"inputs": np.zeros((4, 16), np.int32), "targets": np.zeros((4, 16), np.int32)}
+    with zj.RunLog(tmp_path, plot_every=0) as log:
+        for step, skipped in ((1, 0), (2, 1), (3, 1)):
+            metrics = {"loss": np.float32(3.0 / step), "grad_norm": np.float32(1.0),
+                       "nonfinite": np.int32(0), "lr": np.float32(1e-3 * step),
+                       "loss_scale": np.float32(2.0**15), "skipped": np.int32(skipped),
+                       "accuracy": np.float32(0.25 * step)}
+            rec = log.step(step, metrics, batch, seconds=0.5)
+            assert (tmp_path / "loss.png").is_file()  # redrawn as the run goes
+    assert rec == {"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": pytest.approx(3e-3),
+                   "tokens_per_s": 128.0, "tokens_per_s_per_device": 128.0 / jax.device_count(),
+                   "step_time_s": 0.5, "loss_scale": 2.0**15, "skipped_steps": 2,
+                   "memory_bytes": 7, "peak_memory_bytes": 14, "accuracy": 0.75}
+    tb = tensorboard_scalars(tmp_path)
+    assert tb == by_tag(log.records) and tb["metrics/accuracy"][2] == 0.5
+    assert tb["perf/device_memory_bytes_in_use"][1] == 7
+    assert runlog.batch_tokens({"image": np.zeros((2, 8, 8, 3)), "label": np.zeros(2, int)}) == 2
+    assert runlog.batch_tokens([np.zeros((3, 5)), np.zeros((3, 9), np.int32)]) == 27

@@ -555,6 +555,50 @@ def test_tensorboard_holds_metrics_jsonl_and_the_flops(reference):
     assert t["mfu"] is None and s["flops"]["peak_tflops"] is None
 
 
+def test_a_script_with_the_run_log_writes_the_records_of_the_cli(reference, tokens64, tmp_path):
+    """The reference run again, as a script writes it: its own loop, `zj.RunLog` and an
+    optimizer that carries its learning rate (`optax.inject_hyperparams`). The same records:
+    the same keys, values and TensorBoard tags, the throughput from the batch and the FLOPs."""
+    import optax
+
+    import zerojax as zj
+    from zerojax.app.data import TokenBatches, eval_batches
+
+    cfg = options.validate(options.TrainConfig(model="test", batch=8, data=str(tokens64),
+                                               steps=20, eval_every=10, eval_batches=2))
+    train_tokens, eval_tokens, _ = options.load_data(cfg)
+    batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch, cfg.seed, 0, 1)
+    evals = eval_batches(eval_tokens, cfg.seq_len, cfg.batch, cfg.eval_batches)
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
+    opt = adamw(learning_rate=options.make_schedule(cfg), b1=0.9, b2=0.95,
+                weight_decay=cfg.weight_decay, mask=presets.by_leaf(presets.gpt_decay))
+    engine = zj.Engine(GPT.from_preset("test"), opt, zj.make_mesh(data=4),
+                       zj.ZeroConfig(stage=cfg.stage, clip_norm=cfg.clip_norm, remat=cfg.remat))
+    state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
+
+    def evaluate(state):
+        return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
+
+    with zj.RunLog(tmp_path, engine) as log:
+        log.eval(0, evaluate(state))
+        for step in range(1, 21):
+            batch = batches.batch(step - 1)
+            state, metrics = engine.step(state, batch)
+            log.step(step, metrics, batch, eval_loss=evaluate(state) if step % 10 == 0 else None)
+    mine, cli = records(tmp_path), records(reference)
+    assert [list(r) for r in mine] == [list(r) for r in cli]
+    for a, b in zip(mine, cli):
+        for key in {"loss", "grad_norm", "lr", "eval_loss"} & set(a):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+        if a["step"]:
+            assert a["tokens_per_s"] * a["step_time_s"] == pytest.approx(8 * 16)
+            assert a["tflops_per_device"] * a["step_time_s"] == pytest.approx(
+                b["tflops_per_device"] * b["step_time_s"])
+    assert sorted(tensorboard_scalars(tmp_path)) == sorted(tensorboard_scalars(reference))
+    assert tensorboard_scalars(tmp_path) == logged(tmp_path)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.slow
 def test_thirty_steps_watched_in_tensorboard_and_wandb(tmp_path, tokens64, monkeypatch):
     """`train --devices 4 --eval-every 10` for 30 steps: TensorBoard holds metrics.jsonl at

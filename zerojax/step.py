@@ -238,9 +238,24 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     # diverged fp32 run is flagged in the step that made it.
     metrics.update(loss=means.pop("loss"), grad_norm=norm,
                    nonfinite=(~jnp.isfinite(norm)).astype(jnp.int32), **means)
+    lr = learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = to_memory(lr, DEVICE) if cfg.offload else lr
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
                            model_state)
     return new_state, metrics
+
+
+def learning_rate(opt_state) -> jax.Array | None:
+    """The learning rate this step used, where the optimizer state carries it: the first
+    `learning_rate` of an `optax.inject_hyperparams` state (as f32), else None."""
+    kind = optax.InjectStatefulHyperparamsState
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind)):
+        if isinstance(node, kind) and "learning_rate" in node.hyperparams:
+            lr = node.hyperparams["learning_rate"]
+            if jnp.shape(lr) == () and jnp.issubdtype(jnp.result_type(lr), jnp.floating):
+                return jnp.asarray(lr, jnp.float32)
+    return None
 
 
 def on_device(state: TrainState) -> TrainState:

@@ -395,9 +395,8 @@ def final_line(s: dict[str, Any], out: Path) -> str:
     return f"{head}: " + ", ".join(parts) + f"  → {out}/"
 
 
-def finish(out: Path, records: list[dict[str, Any]], s: dict[str, Any], title: str) -> None:
-    """Process 0's end of a run: loss.png, summary.json and the final line (even if quiet)."""
-    if records:
-        plot_losses(records, out / "loss.png", title)
+def finish(out: Path, s: dict[str, Any]) -> None:
+    """Process 0's end of a run (its `RunLog` has drawn loss.png): summary.json and the final
+    line (even if quiet)."""
     write_json(out / "summary.json", s)
     print(final_line(s, out), flush=True)

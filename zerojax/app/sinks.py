@@ -23,15 +23,23 @@ TAGS = {
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
     "tflops_per_device": "perf/per_device_tflops_per_sec",
     "mfu": "perf/mfu",
+    "memory_bytes": "perf/device_memory_bytes_in_use",
+    "peak_memory_bytes": "perf/device_memory_peak_bytes_in_use",
     "eval_loss": "eval/loss",
 }
 TENSORBOARD = "tensorboard"  # OUT/tensorboard holds the event files
 WANDB_ID = "wandb_run_id"  # OUT/wandb_run_id: the W&B run a resume continues
 
 
+def tag(key: str) -> str:
+    """The tag of a record's key: `TAGS`'s, or `metrics/KEY` for a model's own (aux) metric."""
+    return TAGS.get(key, f"metrics/{key}")
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A record's values by tag (its step aside)."""
-    return {TAGS[k]: float(v) for k, v in record.items() if k in TAGS}
+    """A record's numeric values by tag (its step aside)."""
+    return {tag(k): float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class TensorBoardSink:
