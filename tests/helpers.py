@@ -1,6 +1,7 @@
 """Shared test helpers: a single-device optax reference and GPT batches."""
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -196,3 +197,20 @@ def wandb_history(out) -> list[dict]:
                         run["history"].setdefault(tag, {})[step] = v
         runs.append(run)
     return runs
+
+
+def full_disk_after(n):
+    """A patch of orbax's JSON writer: the first `n` writes go through, then every write goes
+    to /dev/full (the kernel's ENOSPC, from inside orbax's background save)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    real, calls = jh.JsonCheckpointHandler._save_fn, []
+
+    async def save_fn(self, x, directory):
+        calls.append(directory)
+        if len(calls) <= n:
+            return await real(self, x, directory)
+        with open("/dev/full", "w") as f:
+            f.write(json.dumps(x))
+
+    return jh.JsonCheckpointHandler, "_save_fn", save_fn

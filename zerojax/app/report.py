@@ -33,7 +33,7 @@ from zerojax.analysis.accounting import (
 )
 from zerojax.analysis.flops import throughput
 from zerojax.analysis.measurement import on_host
-from zerojax.app.files import replace_file
+from zerojax.app.files import append_line, replace_file
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 
@@ -218,10 +218,11 @@ class MetricsLog:
             replace_file(path, b"".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        """Appends `record`; a write that fails (a full disk) raises a RunFileError, the file
+        as it was."""
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_line(self.path, (json.dumps(record) + "\n").encode())
+        self.records.append(record)
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -337,15 +337,19 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         show.close()
         if profiling:
             jax.profiler.stop_trace()
-    log.close()
     step = int(state.step)  # also right when resumed at --steps, or interrupted
-    with saving(ckpt):
-        if step not in saved and step > 0:
-            engine.save(state, ckpt, step, wait=True, extra=extra)
-        if saved:
-            from zerojax import checkpoint
+    try:  # the state first: a full disk may fail the plot, which is redrawn on resume
+        with saving(ckpt):
+            if step not in saved and step > 0:
+                engine.save(state, ckpt, step, wait=True, extra=extra)
+            if saved:
+                from zerojax import checkpoint
 
-            checkpoint.wait_until_finished(ckpt)
+                checkpoint.wait_until_finished(ckpt)
+    except BaseException:
+        log.close(failed=True)
+        raise
+    log.close()
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
