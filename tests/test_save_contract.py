@@ -101,6 +101,29 @@ def test_a_diverged_state_is_refused_and_the_good_steps_stay(seed, tmp_path):
         e.save(state, tmp_path, step=4, allow_nonfinite="yes")
 
 
+def test_a_step_directory_renamed_to_a_name_is_named(seed, tmp_path):
+    """`mv 2 best`: no step any more, and every listing, restore and read says so."""
+    e, state = seed
+    for step in (1, 2):
+        e.save(state, tmp_path, step=step)
+    os.rename(tmp_path / "2", tmp_path / "best")
+    note = (rf"{tmp_path} holds step directories whose names are not step numbers, which no "
+            rf"restore sees: best \(step 2 by its record\); rename one to its step number to "
+            rf"use it")
+    with pytest.warns(ck.MisnamedStep, match=note):
+        assert ck.steps(tmp_path) == [1]
+    with pytest.warns(ck.MisnamedStep, match=note):
+        assert int(e.restore(tmp_path).step) == 1
+    os.rename(tmp_path / "1", tmp_path / "1.old")
+    with pytest.raises(zj.CheckpointError, match=rf"^{tmp_path} holds no complete checkpoint "
+                                                 rf"step; step directories whose names are not "
+                                                 rf"step numbers: 1.old \(step 1 by its "
+                                                 rf"record\), best \(step 2 by its record\); "
+                                                 rf"rename one to its step number to use it$"):
+        with pytest.warns(ck.MisnamedStep):
+            e.restore(tmp_path)
+
+
 def test_a_record_knows_its_step(seed, tmp_path):
     e, state = seed
     for step in (1, 2, 3):

@@ -150,3 +150,30 @@ def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
     assert tb["perf/device_memory_bytes_in_use"][1] == 7
     assert runlog.batch_tokens({"image": np.zeros((2, 8, 8, 3)), "label": np.zeros(2, int)}) == 2
     assert runlog.batch_tokens([np.zeros((3, 5)), np.zeros((3, 9), np.int32)]) == 27
+
+
+@pytest.mark.slow
+def test_the_own_script_example_runs_as_docs_own_script_shows(tmp_path):
+    """examples/own_script.py (docs/own-script.md): trains, logs, saves, restores on 2 devices
+    under another stage, and exports to plain Flax, all with the same numbers."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "own_script.py"
+    spec = importlib.util.spec_from_file_location("own_script", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    out = ex.main(["--steps", "20", "--out", str(tmp_path)])
+    steps = [r["step"] for r in out["records"]]
+    assert steps == list(range(21)) and out["records"][20]["eval_loss"] == out["eval"]
+    assert out["records"][-1]["loss"] < 0.8 * out["records"][1]["loss"]
+    # The lr each step used (warm-up to 3e-3 in 10 steps, cosine to 3e-4 at step 20).
+    assert out["records"][1]["lr"] == 0.0 and out["records"][11]["lr"] == pytest.approx(3e-3)
+    assert out["records"][12]["lr"] == pytest.approx(
+        3e-4 + 2.7e-3 * 0.5 * (1 + np.cos(np.pi / 10)), rel=1e-5)
+    assert out["restored"] == pytest.approx(out["eval"], rel=1e-6)
+    assert out["plain"] == pytest.approx(out["eval"], rel=1e-5)
+    assert {p.name for p in tmp_path.iterdir()} >= {"metrics.jsonl", "loss.png", "tensorboard",
+                                                     "checkpoints", "params.safetensors"}
+    state, m = out["there"].step(out["restored_state"], ex.make_batch(21))  # and goes on
+    assert int(state.step) == 21 and np.isfinite(float(m["loss"]))

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -202,7 +203,10 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                       quantize_grads=cfg.quantize_grads, hpz=cfg.hpz)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
+        from zerojax.checkpoint.store import MisnamedStep, misnamed_note
 
+        warnings.simplefilter("ignore", MisnamedStep)  # a note of the table says it instead
+        notes += filter(None, [misnamed_note(ckpt)])
         try:
             saved = read_metadata(ckpt, cfg.resume_step)["extra"].get("train_config", {})
         except CheckpointError:
