@@ -1,6 +1,7 @@
 """Shared test helpers: a single-device optax reference and GPT batches."""
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -136,13 +137,12 @@ def sweep(values, quick):
 def by_tag(records: list[dict], dtype=np.float32) -> dict[str, dict[int, float]]:
     """What a run's sinks should hold of `records`: each value by tag and step, in `dtype`
     (TensorBoard keeps float32, W&B float64)."""
-    from zerojax.app.sinks import TAGS
+    from zerojax.app.sinks import scalars
 
     out: dict[str, dict[int, float]] = {}
     for r in records:
-        for k, v in r.items():
-            if k in TAGS:
-                out.setdefault(TAGS[k], {})[r["step"]] = float(dtype(v))
+        for k, v in scalars(r).items():
+            out.setdefault(k, {})[r["step"]] = float(dtype(v))
     return out
 
 
@@ -197,3 +197,20 @@ def wandb_history(out) -> list[dict]:
                         run["history"].setdefault(tag, {})[step] = v
         runs.append(run)
     return runs
+
+
+def full_disk_after(n):
+    """A patch of orbax's JSON writer: the first `n` writes go through, then every write goes
+    to /dev/full (the kernel's ENOSPC, from inside orbax's background save)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    real, calls = jh.JsonCheckpointHandler._save_fn, []
+
+    async def save_fn(self, x, directory):
+        calls.append(directory)
+        if len(calls) <= n:
+            return await real(self, x, directory)
+        with open("/dev/full", "w") as f:
+            f.write(json.dumps(x))
+
+    return jh.JsonCheckpointHandler, "_save_fn", save_fn

@@ -379,6 +379,14 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
         assert ex.export_main(args) == rc
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("zerojax export: error:"), lines
+    ex.export_main([str(tmp_path), "--out", "p.bin"])
+    assert capsys.readouterr().err == ("zerojax export: error: --out p.bin must end in "
+                                       ".safetensors (see --help)\n")
+    # The Python function speaks of its own argument, not of the command's flag.
+    with pytest.raises(zj.ArgumentError, match=r"^out='p.bin' is not a .safetensors file name; "
+                                               r"export writes safetensors: pass e.g. "
+                                               r"out='p.safetensors'$"):
+        ex.export(tmp_path, "p.bin")
 
 
 # ---------------------------------------------------------------- damaged steps, run directories

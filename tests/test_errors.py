@@ -218,10 +218,10 @@ def test_a_batch_must_look_like_the_init_batch(stepped, case, match):
            "list": [batch["inputs"], batch["targets"]],
            "shape": {k: v[:, :8] for k, v in batch.items()},
            "dtype": {**batch, "targets": batch["targets"].astype(np.float32)}}[case]
-    for call in (e.step, e.evaluate):
+    # evaluate takes any sizes (another sequence length); the step only another batch size.
+    for call in (e.step, e.evaluate) if case != "shape" else (e.step,):
         with pytest.raises(zj.BatchError, match=match):
             call(state, bad)
-    # Another batch size is fine (it recompiles): only the batch axis may change.
     assert e.evaluate(state, {k: v[:4] for k, v in batch.items()})["loss"].shape == ()
 
 

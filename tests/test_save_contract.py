@@ -3,9 +3,9 @@ count that always keeps the new step, a diverged (non-finite) state is refused, 
 directory's record must name its step, and a full disk is one error with the saved steps
 intact."""
 
-import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import full_disk_after
 
 import zerojax as zj
 from zerojax.checkpoint import store as ck
@@ -100,6 +101,29 @@ def test_a_diverged_state_is_refused_and_the_good_steps_stay(seed, tmp_path):
         e.save(state, tmp_path, step=4, allow_nonfinite="yes")
 
 
+def test_a_step_directory_renamed_to_a_name_is_named(seed, tmp_path):
+    """`mv 2 best`: no step any more, and every listing, restore and read says so."""
+    e, state = seed
+    for step in (1, 2):
+        e.save(state, tmp_path, step=step)
+    os.rename(tmp_path / "2", tmp_path / "best")
+    note = (rf"{tmp_path} holds step directories whose names are not step numbers, which no "
+            rf"restore sees: best \(step 2 by its record\); rename one to its step number to "
+            rf"use it")
+    with pytest.warns(ck.MisnamedStep, match=note):
+        assert ck.steps(tmp_path) == [1]
+    with pytest.warns(ck.MisnamedStep, match=note):
+        assert int(e.restore(tmp_path).step) == 1
+    os.rename(tmp_path / "1", tmp_path / "1.old")
+    with pytest.raises(zj.CheckpointError, match=rf"^{tmp_path} holds no complete checkpoint "
+                                                 rf"step; step directories whose names are not "
+                                                 rf"step numbers: 1.old \(step 1 by its "
+                                                 rf"record\), best \(step 2 by its record\); "
+                                                 rf"rename one to its step number to use it$"):
+        with pytest.warns(ck.MisnamedStep):
+            e.restore(tmp_path)
+
+
 def test_a_record_knows_its_step(seed, tmp_path):
     e, state = seed
     for step in (1, 2, 3):
@@ -147,23 +171,6 @@ def test_a_step_is_an_integer(seed, tmp_path):
     assert int(e.restore(tmp_path, step=np.int64(0)).step) == 1
 
 
-def full_disk_after(n):
-    """A patch of orbax's JSON writer: the first `n` writes go through, then every write goes
-    to /dev/full (the kernel's ENOSPC, from inside orbax's background save)."""
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
-
-    real, calls = jh.JsonCheckpointHandler._save_fn, []
-
-    async def save_fn(self, x, directory):
-        calls.append(directory)
-        if len(calls) <= n:
-            return await real(self, x, directory)
-        with open("/dev/full", "w") as f:
-            f.write(json.dumps(x))
-
-    return jh.JsonCheckpointHandler, "_save_fn", save_fn
-
-
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("wait", [True, False])
 def test_a_full_disk_is_one_error_and_the_saved_steps_stay(seed, tmp_path, wait, monkeypatch,
@@ -193,3 +200,38 @@ def test_logging_filter_keeps_other_records():
     mine = logging.LogRecord("absl", logging.ERROR, "/x/app.py", 1, "No space left on device", (),
                              None)
     assert [_QuietNoSpace().filter(r) for r in (keep, drop, mine)] == [True, False, True]
+    # asyncio's report of a future the failed write left unread, from its own module
+    unread = logging.LogRecord("asyncio", logging.ERROR, "/x/asyncio/base_events.py", 1,
+                               f"_GatheringFuture exception was never retrieved: {TENSORSTORE}",
+                               (), None)
+    other = logging.LogRecord("asyncio", logging.ERROR, "/x/asyncio/base_events.py", 1,
+                              "Task exception was never retrieved: KeyError", (), None)
+    assert [_QuietNoSpace().filter(r) for r in (unread, other)] == [False, True]
+
+
+# What tensorstore raises from inside an orbax save under `ulimit -f`
+TENSORSTORE = ("OUT_OF_RANGE: Error writing \"params.w/0\" in OCDBT database at local file "
+               "\"/c/2.orbax-checkpoint-tmp/state/ocdbt.process_0/\": Failed writing: \"/c/d/4b\": "
+               "Failed to write 76916 bytes to file 14: File too large [os_error_code='27']")
+
+
+def test_the_os_error_of_a_failed_write_is_read_from_any_layer(tmp_path, monkeypatch):
+    """An OSError's errno, or the one a tensorstore message names; each told in one line with
+    the free space and what to do."""
+    import errno
+    import resource
+
+    from zerojax.checkpoint.guard import fix_for, why_not_written, write_errno
+
+    assert write_errno(ValueError(TENSORSTORE)) == errno.EFBIG
+    assert write_errno(ValueError("RESOURCE_EXHAUSTED: ... No space left on device")) == \
+        errno.ENOSPC
+    assert write_errno(OSError(errno.EDQUOT, "Disk quota exceeded")) == errno.EDQUOT
+    assert write_errno(ValueError("INVALID_ARGUMENT: bad shape")) is None
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8000, 8000))
+    assert re.fullmatch(r"a file would exceed the file-size limit of 8,000 bytes \(ulimit -f; "
+                        r"[\d,.]+ (MB|bytes) free\)", why_not_written(errno.EFBIG, tmp_path))
+    assert re.fullmatch(r"no space left on its device \([\d,.]+ (MB|bytes) free\)",
+                        why_not_written(errno.ENOSPC, tmp_path))
+    assert fix_for(errno.EFBIG) == "Raise the file-size limit (ulimit -f unlimited)"
+    assert fix_for(errno.EROFS) == "Make the directory writable"

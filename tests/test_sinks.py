@@ -78,3 +78,49 @@ def test_wandb_offline_run_holds_the_same_history(tmp_path, monkeypatch):
     runs = wandb_history(out)
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
     assert sorted(runs[1]["history"]["learning/loss"]) == [3, 4, 5]
+
+
+def test_a_full_disk_under_the_records_is_one_error_the_files_as_they_were(tmp_path, monkeypatch):
+    """metrics.jsonl: an append cut short is taken back; TensorBoard: the failure on its writer
+    thread is raised on the next write, once, with no thread traceback."""
+    import errno
+    import os
+    import threading
+
+    from zerojax.app.files import RunFileError
+
+    log = MetricsWriter(tmp_path, 0)
+    log.write(record(1, 4.0))
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    real = os.write
+
+    def half(fd, data):  # the disk fills halfway through the record
+        if len(data) > 8:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", half)
+        with pytest.raises(RunFileError, match=r"^cannot append to .*metrics.jsonl: no space "
+                                               r"left on its device \([\d,.]+ (MB|bytes) free\)"
+                                               r"; the records before it are intact in "
+                                               r"metrics.jsonl. Free some space and run again$"):
+            log.log.write(record(2, 4.0))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert [r["step"] for r in log.records] == [1]
+
+    hooked = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    sink = log.sinks[0]
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink.file.inner, "flush", full)
+    sink.writer.flush()  # what tensorboardX's thread does every 10 s
+    with pytest.raises(RunFileError, match=r"^cannot write .*tensorboard/events.out.tfevents.*: "
+                                           r"no space left on its device .*; metrics.jsonl holds "
+                                           r"every record. Free some space and run again$"):
+        log.write(record(3, 4.0))
+    log.close(failed=True)  # a failed run closes quietly
+    assert not hooked

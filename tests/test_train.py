@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -477,7 +478,7 @@ def test_float16_logs_the_loss_scale_and_skipped_steps(tmp_path, tokens64, monke
 def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, monkeypatch):
     """The save of step 4 fails for lack of space (found when step 6 saves): one line naming
     the directory, its free space and the last good step; step 2 is intact."""
-    from test_save_contract import full_disk_after
+    from helpers import full_disk_after
 
     if not Path("/dev/full").exists():
         pytest.skip("needs /dev/full")
@@ -494,6 +495,75 @@ def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, mon
     assert err.endswith(f"free); the steps saved there before are intact; last good "
                         f"checkpoint: step 2 in {ckpt} (continue with --resume)\n")
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
+
+
+def on_a_full_disk(*args, fsize: int | None = None, enospc_after: int | None = None,
+                   cwd=None) -> subprocess.CompletedProcess:
+    """`python -m zerojax ARGS` whose files cannot grow past `fsize` bytes (RLIMIT_FSIZE: what
+    `ulimit -f` sets; writes then fail with EFBIG), or whose orbax JSON writes after the first
+    `enospc_after` go to /dev/full (ENOSPC from orbax's background threads). Without the
+    suite's compilation cache, whose writes would fail and warn too."""
+    env = _env()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    code = ["import sys", "from zerojax.app.cli import main"]
+    if fsize:  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        code[:0] = ["import resource",
+                    f"resource.setrlimit(resource.RLIMIT_FSIZE, ({fsize}, {fsize}))"]
+    if enospc_after is not None:
+        code[1:1] = [f"sys.path.insert(0, {str(ROOT / 'tests')!r})",
+                     "from helpers import full_disk_after",
+                     f"setattr(*full_disk_after({enospc_after}))"]
+    code.append("sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", "; ".join(code), *map(str, args)],
+                          cwd=cwd or Path.cwd(), env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ulimit -f", "ENOSPC"])
+def test_a_save_on_a_full_disk_is_one_line_and_no_traceback(tmp_path, tokens64, how):
+    """The CLI in its own process, its saves failing: one line and exit code 1, whatever
+    orbax's threads and tensorstore's futures were doing; no 'Exception ignored' at exit."""
+    if how == "ENOSPC" and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = ["train", *SMALL, "--data", tokens64, "--devices", 2, "--steps", 6, "--eval-every",
+            0, "--save-every", 2, "--out", out]
+    if how == "ulimit -f":  # a step's larger files (8-105 KB) cannot be written; the run's can
+        r = on_a_full_disk(*args, fsize=8_000)
+        why = r"a file would exceed the file-size limit of 8,000 bytes \(ulimit -f; "
+        failed, left = 2, "no checkpoint was saved"
+    else:  # step 2 is written; the save of step 4 fails, found when step 6 saves
+        r = on_a_full_disk(*args, enospc_after=1)
+        why = r"no space left on its device \("
+        failed, left = 4, f"last good checkpoint: step 2 in {ckpt} \\(continue with --resume\\)"
+    assert (r.returncode, r.stdout) == (1, ""), r.stderr
+    assert re.fullmatch(rf"zerojax train: error: cannot write step {failed} to {ckpt}: {why}"
+                        rf"[\d,.]+ (MB|bytes) free\); the steps saved there before are intact; "
+                        rf"{left}\n", r.stderr), r.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ([] if failed == 2 else ["2"])
+    steps = [x["step"] for x in records(out)]  # a failed save is found by the next one
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", [["--resume"], ["--resume-step", "10"]])
+def test_a_resume_on_a_full_disk_leaves_metrics_byte_identical(tmp_path, reference, tokens64,
+                                                               resume):
+    """The reference run resumed where its metrics.jsonl cannot grow (RLIMIT_FSIZE below its
+    size): from the latest step (the first record's append fails) or from step 10 (the file's
+    rewrite without steps 11-20 fails). One line, the file byte for byte as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = (out / "metrics.jsonl").read_bytes()
+    r = on_a_full_disk("train", *SMALL, "--data", tokens64, "--devices", 4, "--steps", 30,
+                       *resume, "--out", out, fsize=len(before) // 2)
+    assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
+    verb = "append to" if resume == ["--resume"] else "write"
+    assert r.stderr.startswith(f"zerojax train: error: cannot {verb} {out / 'metrics.jsonl'}: "
+                               f"a file would exceed the file-size limit of "
+                               f"{len(before) // 2:,} bytes (ulimit -f; "), r.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
 
 
 def test_a_renamed_step_directory_is_named_by_resume(tmp_path, reference, capsys, monkeypatch):
@@ -553,6 +623,50 @@ def test_tensorboard_holds_metrics_jsonl_and_the_flops(reference):
     assert t["tflops_per_device"] == pytest.approx(s["flops"]["per_step"] / t["mean_step_s"]
                                                    / 4 / 1e12)
     assert t["mfu"] is None and s["flops"]["peak_tflops"] is None
+
+
+def test_a_script_with_the_run_log_writes_the_records_of_the_cli(reference, tokens64, tmp_path):
+    """The reference run again, as a script writes it: its own loop, `zj.RunLog` and an
+    optimizer that carries its learning rate (`optax.inject_hyperparams`). The same records:
+    the same keys, values and TensorBoard tags, the throughput from the batch and the FLOPs."""
+    import optax
+
+    import zerojax as zj
+    from zerojax.app.data import TokenBatches, eval_batches
+
+    cfg = options.validate(options.TrainConfig(model="test", batch=8, data=str(tokens64),
+                                               steps=20, eval_every=10, eval_batches=2))
+    train_tokens, eval_tokens, _ = options.load_data(cfg)
+    batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch, cfg.seed, 0, 1)
+    evals = eval_batches(eval_tokens, cfg.seq_len, cfg.batch, cfg.eval_batches)
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
+    opt = adamw(learning_rate=options.make_schedule(cfg), b1=0.9, b2=0.95,
+                weight_decay=cfg.weight_decay, mask=presets.by_leaf(presets.gpt_decay))
+    engine = zj.Engine(GPT.from_preset("test"), opt, zj.make_mesh(data=4),
+                       zj.ZeroConfig(stage=cfg.stage, clip_norm=cfg.clip_norm, remat=cfg.remat))
+    state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
+
+    def evaluate(state):
+        return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
+
+    with zj.RunLog(tmp_path, engine) as log:
+        log.eval(0, evaluate(state))
+        for step in range(1, 21):
+            batch = batches.batch(step - 1)
+            state, metrics = engine.step(state, batch)
+            log.step(step, metrics, batch, eval_loss=evaluate(state) if step % 10 == 0 else None)
+    mine, cli = records(tmp_path), records(reference)
+    assert [list(r) for r in mine] == [list(r) for r in cli]
+    for a, b in zip(mine, cli):
+        for key in {"loss", "grad_norm", "lr", "eval_loss"} & set(a):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+        if a["step"]:
+            assert a["tokens_per_s"] * a["step_time_s"] == pytest.approx(8 * 16)
+            assert a["tflops_per_device"] * a["step_time_s"] == pytest.approx(
+                b["tflops_per_device"] * b["step_time_s"])
+    assert sorted(tensorboard_scalars(tmp_path)) == sorted(tensorboard_scalars(reference))
+    assert tensorboard_scalars(tmp_path) == logged(tmp_path)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ __all__ = [
     "Model",
     "ModelError",
     "PlanResult",
+    "RunLog",
     "StateError",
     "TrainState",
     "Units",
@@ -72,4 +73,6 @@ def __getattr__(name: str):
         return importlib.import_module("zerojax.checkpoint")
     if name in ("from_nnx", "from_linen"):  # flax only for those who bring a Flax model
         return getattr(importlib.import_module("zerojax.adapters"), name)
+    if name == "RunLog":  # rich, tensorboardX and matplotlib only for those who log a run
+        return importlib.import_module("zerojax.app.runlog").RunLog
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

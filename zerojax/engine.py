@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -306,17 +307,40 @@ class Engine:
         return self._compiled_step()(state, put_batch(batch, self.mesh))
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
-        """Mean loss (and the model's aux metrics) on `batch`, computed sharded like the step."""
+        """The mean loss (and the model's aux metrics) over the examples of `batch`, computed
+        sharded like the step, on a batch of any size and any sizes of its other axes.
+
+        The largest part of the batch that the devices divide runs as one sharded batch; the
+        rest (fewer examples than devices) runs one example per device, the devices left over
+        holding a copy that counts for nothing. Each device's mean is weighted by its number
+        of real examples, so for a loss that is the mean over the device-local examples (the
+        model protocol's contract) the result is the mean over exactly `batch`'s examples.
+        Another shape (another sequence length, another remainder) compiles its own program
+        once; it is cached for the next batch of that shape."""
         self.layout  # noqa: B018 -- raises a clear error before init
         check_state(self, state)
-        check_batch(batch, self.mesh, 1, jax.process_count())
-        check_batch_like(self, batch)
+        pc = jax.process_count()
+        n = check_batch(batch, self.mesh, 1, pc, divisible=False)
+        check_batch_like(self, batch, sizes=False)
         if self._eval_fn is None:
             body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
-                                 in_specs=(self._manual_specs(), P(self.axes)), out_specs=P(),
-                                 axis_names=frozenset(self.axes), check_vma=True)
+                                 in_specs=(self._manual_specs(), P(self.axes), P(self.axes),
+                                           P()),
+                                 out_specs=P(), axis_names=frozenset(self.axes), check_vma=True)
             self._eval_fn = jax.jit(body)
-        return self._eval_fn(state, put_batch(batch, self.mesh))
+        shards = self.replica * self.data // pc  # the batch slices this process feeds
+        local = n // pc
+        full = local // shards * shards
+        parts = []
+        if full:
+            part = batch if full == local else _rows(batch, 0, full, full)
+            parts.append((part, np.ones(full, np.float32), 0))
+        if local > full:  # one example per device, padded: a device holds 1 real or 1 pad
+            parts.append((_rows(batch, full, local, shards),
+                          (np.arange(shards) < local - full).astype(np.float32), full * pc))
+        sums = [self._eval_fn(state, put_batch(part, self.mesh), put_batch(real, self.mesh),
+                              offset) for part, real, offset in parts]
+        return {k: sum(s[k] for s in sums) / n for k in sums[0]}
 
     def lower(self, state=None, batch=None):
         """`jax.jit(...).lower` of the step, for abstract or concrete inputs."""
@@ -453,6 +477,19 @@ def _logical_sharding(mesh, shape, leaf: LeafSpec | None, axes=(DATA,)) -> Named
             dims[a] = spec
             break
     return NamedSharding(mesh, P(*dims) if any(d is not None for d in dims) else P())
+
+
+def _rows(batch, lo: int, hi: int, size: int):
+    """Rows `lo:hi` of every leaf of `batch`, padded to `size` rows with copies of row `lo`."""
+    def take(x):
+        x = x if hasattr(x, "shape") else np.asarray(x)
+        xp = jnp if isinstance(x, jax.Array) else np
+        part = x[lo:hi]
+        if size > hi - lo:
+            part = xp.concatenate([part, xp.repeat(x[lo:lo + 1], size - (hi - lo), axis=0)])
+        return part
+
+    return jax.tree.map(take, batch)
 
 
 def _is_key(x) -> bool:

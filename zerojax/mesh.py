@@ -91,8 +91,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
-def check_batch(batch, mesh: Mesh, grad_accum: int = 1, process_count: int = 1) -> int:
-    """Validates a (process-local) batch and returns the global batch size."""
+def check_batch(batch, mesh: Mesh, grad_accum: int = 1, process_count: int = 1, *,
+                divisible: bool = True) -> int:
+    """Validates a (process-local) batch and returns the global batch size; `divisible=False`
+    (evaluate, which pads) takes any size."""
     leaves, _ = jax.tree.flatten_with_path(batch)
     if not leaves:
         raise BatchError("the batch has no array leaves")
@@ -107,6 +109,10 @@ def check_batch(batch, mesh: Mesh, grad_accum: int = 1, process_count: int = 1) 
         raise BatchError(f"batch leaves have different leading (batch) sizes ({listing}); "
                          f"give every leaf the same batch size on axis 0")
     size = next(iter(sizes.values())) * process_count
+    if size == 0:
+        raise BatchError("the batch holds no examples (its batch axis has size 0)")
+    if not divisible:
+        return size
     replica, data = mesh_sizes(mesh)
     n = replica * data
     if size % n:
@@ -121,9 +127,11 @@ def check_batch(batch, mesh: Mesh, grad_accum: int = 1, process_count: int = 1) 
 
 
 def put_batch(batch, mesh: Mesh):
-    """Places a process-local batch on the mesh as global arrays sharded on axis 0."""
+    """Places a process-local batch on the mesh as global arrays sharded on axis 0 (inside an
+    outer `jax.jit`, traced leaves are the global batch and only get the sharding)."""
     sharding = batch_sharding(mesh)
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or any(isinstance(x, jax.core.Tracer)
+                                       for x in jax.tree.leaves(batch)):
         return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
@@ -197,16 +205,20 @@ def remember_batch(engine, batch) -> None:
     _BATCHES[engine] = _describe(batch)
 
 
-def check_batch_like(engine, batch) -> None:
+def check_batch_like(engine, batch, *, sizes: bool = True) -> None:
     """`batch` must have the keys, dtypes and shapes (but for the batch axis) of the batch the
-    engine was initialized with; the first batch after a `restore` sets them."""
+    engine was initialized with; the first step's batch after a `restore` sets them.
+    `sizes=False` (evaluate): any sizes, the same number of axes."""
     want = _BATCHES.get(engine)
     if want is None:
-        _BATCHES[engine] = _describe(batch)
+        if sizes:  # an evaluation batch (another length) says nothing of the training batches
+            _BATCHES[engine] = _describe(batch)
         return
+    same = (lambda got, w: got == w) if sizes else (lambda got, w: len(got) == len(w))
     leaves, got_def = jax.tree.flatten(batch)  # the fast path, taken every step
     if got_def == want[0] and all(
-            tuple(getattr(x, "shape", ())[1:]) == shape and getattr(x, "dtype", None) is not None
+            same(tuple(getattr(x, "shape", ())[1:]), shape)
+            and getattr(x, "dtype", None) is not None
             and jax.dtypes.canonicalize_dtype(x.dtype) == dtype
             for x, (shape, dtype) in zip(leaves, want[1].values())):
         return
@@ -226,13 +238,13 @@ def check_batch_like(engine, batch) -> None:
                          f"({', '.join(leaves) or 'none'})")
     for (name, (shape, dtype)), (_, (want_shape, want_dtype)) in zip(got.items(),
                                                                      leaves.items()):
-        if shape != want_shape or dtype != want_dtype:
+        if not same(shape, want_shape) or dtype != want_dtype:
             show = lambda s, d: (np.dtype(d).name if d is not None else "no dtype") + \
                 "[" + ", ".join(["B", *map(str, s)]) + "]"
-            raise BatchError(
-                f"batch{name} is {show(shape, dtype)}; the engine was initialized with "
-                f"{show(want_shape, want_dtype)} (any batch size B, the other axes and the dtype "
-                f"as at init)")
+            rule = ("any batch size B, the other axes and the dtype as at init" if sizes else
+                    "evaluate takes any sizes; the number of axes and the dtype as at init")
+            raise BatchError(f"batch{name} is {show(shape, dtype)}; the engine was initialized "
+                             f"with {show(want_shape, want_dtype)} ({rule})")
 
 
 @contextlib.contextmanager

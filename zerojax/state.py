@@ -55,7 +55,10 @@ def check_state(engine, state) -> None:
                          f"restore or step returned")
     want, treedef, devices = _expectation(engine)
     leaves, got_def = jax.tree.flatten(state)  # the fast path, taken every step
-    sharding = getattr(state.step, "sharding", None)
+    # Under an outer jax.jit (or a scan of steps) the leaves are tracers: their shapes and
+    # dtypes are checked as a concrete state's are; devices and donation are not theirs to say.
+    sharding = None if isinstance(state.step, jax.core.Tracer) else \
+        getattr(state.step, "sharding", None)
     if sharding is not None and sharding.device_set != devices:
         raise StateError(
             f"state is on devices {sorted(d.id for d in sharding.device_set)}, this engine's "
@@ -65,7 +68,8 @@ def check_state(engine, state) -> None:
         for i, (x, (shape, dtype)) in enumerate(zip(leaves, want.values())):
             if getattr(x, "shape", None) != shape or getattr(x, "dtype", None) != dtype:
                 break
-            if isinstance(x, jax.Array) and x.is_deleted():
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) \
+                    and x.is_deleted():
                 raise StateError(
                     f"state{list(want)[i]} was donated to an earlier engine.step (its buffers "
                     f"are deleted); pass the state that step returned: state, metrics = "

@@ -238,9 +238,24 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     # diverged fp32 run is flagged in the step that made it.
     metrics.update(loss=means.pop("loss"), grad_norm=norm,
                    nonfinite=(~jnp.isfinite(norm)).astype(jnp.int32), **means)
+    lr = learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = to_memory(lr, DEVICE) if cfg.offload else lr
     new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
                            model_state)
     return new_state, metrics
+
+
+def learning_rate(opt_state) -> jax.Array | None:
+    """The learning rate this step used, where the optimizer state carries it: the first
+    `learning_rate` of an `optax.inject_hyperparams` state (as f32), else None."""
+    kind = optax.InjectStatefulHyperparamsState
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind)):
+        if isinstance(node, kind) and "learning_rate" in node.hyperparams:
+            lr = node.hyperparams["learning_rate"]
+            if jnp.shape(lr) == () and jnp.issubdtype(jnp.result_type(lr), jnp.floating):
+                return jnp.asarray(lr, jnp.float32)
+    return None
 
 
 def on_device(state: TrainState) -> TrainState:
@@ -325,8 +340,12 @@ def _refresh(plan: StepPlan, masters: list, old) -> Any:
     return layout.unflatten(out)
 
 
-def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
-    """Loss (and aux metrics) on this device's batch slice, without gradients or updates."""
+def local_eval(plan: StepPlan, state: TrainState, batch, real, offset) -> dict:
+    """The sums of the loss and aux metrics over the real examples of all devices' batch
+    slices, without gradients or updates: each device's mean times its number of real examples
+    (`real`: 1 per real example, 0 per pad; a device holds only real examples or, in the
+    padded part of an evaluation, one example), summed over the devices. `offset`: the global
+    batch index of this part's first example (for the per-example keys)."""
     stage = plan.config.stage
     comp = compute_params(plan, state)
     # No backward: stages 0-2 read their replicated params directly; stage 3 gathers units.
@@ -336,9 +355,13 @@ def local_eval(plan: StepPlan, state: TrainState, batch) -> dict:
     ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
     units = ShardUnits(3 if stage == 3 else 1, plan.layout, comp, None, plan.dtype, False,
                        key=key, state=state.model_state, training=False, example_key=ex_key,
-                       rows=first + jnp.arange(local), wire=plan.wire)
+                       rows=offset + first + jnp.arange(local), wire=plan.wire)
     loss, aux = split_loss(plan.model.loss(make_handles(plan.layout), batch, units))
-    return _mean_metrics(loss, aux, plan.axes)
+    count = jnp.sum(real)
+    # where, not a product: a device holding only pads adds nothing, even a NaN of its own.
+    total = lambda v: lax.psum(jnp.where(count > 0, jnp.asarray(v, jnp.float32) * count, 0.0),
+                               plan.axes)
+    return {"loss": total(loss), **{name: total(v) for name, v in aux.items()}}
 
 
 def _mean_metrics(loss, aux: dict, axes) -> dict:

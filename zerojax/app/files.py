@@ -4,6 +4,7 @@ it was."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -26,16 +27,39 @@ def replace_file(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())  # a delayed allocation fails here, before the old file goes
         os.replace(tmp, path)
     except OSError as e:
-        raise RunFileError(_cannot_write(path, e)) from None
+        raise RunFileError(cannot_write(path, e)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _cannot_write(path: Path, e: OSError) -> str:
-    from zerojax.checkpoint.guard import free_space, no_space  # orbax: only on this failure
+def append_line(path: Path, line: bytes) -> None:
+    """Appends `line` to `path`, or raises a RunFileError naming it and its free space with the
+    file as it was: a write cut short (a full disk, a file-size limit) is taken back."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        rest = memoryview(line)
+        while rest:  # unbuffered: nothing is left to be flushed, and fail, at exit
+            rest = rest[os.write(fd, rest):]
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)  # else the next resume drops the cut-off last record
+        raise RunFileError(cannot_write(path, e, appended=True)) from None
+    finally:
+        os.close(fd)
 
-    kept = f"{path.name} is as it was" if path.exists() else f"{path.name} was not written"
-    if no_space(e):
-        return (f"cannot write {path}: no space left on its device ({free_space(path)}); "
-                f"{kept}. Free some space and run again")
-    return f"cannot write {path}: {e.strerror or e}; {kept}"
+
+def cannot_write(path: Path, e: OSError, appended: bool = False, kept: str | None = None
+                 ) -> str:
+    """One line: `path` could not be written (or `appended` to), why, the free space, what is
+    `kept`, and what to do."""
+    from zerojax.checkpoint.guard import fix_for, why_not_written  # orbax: only on a failure
+
+    if kept is None and appended:
+        kept = f"the records before it are intact in {path.name}"
+    elif kept is None:
+        kept = f"{path.name} is as it was" if path.exists() else f"{path.name} was not written"
+    what = f"cannot {'append to' if appended else 'write'} {path}"
+    if not e.errno:
+        return f"{what}: {e}; {kept}"
+    return f"{what}: {why_not_written(e.errno, path)}; {kept}. {fix_for(e.errno)} and run again"

@@ -33,7 +33,7 @@ from zerojax.analysis.accounting import (
 )
 from zerojax.analysis.flops import throughput
 from zerojax.analysis.measurement import on_host
-from zerojax.app.files import replace_file
+from zerojax.app.files import append_line, replace_file
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
 
@@ -218,10 +218,11 @@ class MetricsLog:
             replace_file(path, b"".join(kept))
 
     def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        """Appends `record`; a write that fails (a full disk) raises a RunFileError, the file
+        as it was."""
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_line(self.path, (json.dumps(record) + "\n").encode())
+        self.records.append(record)
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -395,9 +396,8 @@ def final_line(s: dict[str, Any], out: Path) -> str:
     return f"{head}: " + ", ".join(parts) + f"  → {out}/"
 
 
-def finish(out: Path, records: list[dict[str, Any]], s: dict[str, Any], title: str) -> None:
-    """Process 0's end of a run: loss.png, summary.json and the final line (even if quiet)."""
-    if records:
-        plot_losses(records, out / "loss.png", title)
+def finish(out: Path, s: dict[str, Any]) -> None:
+    """Process 0's end of a run (its `RunLog` has drawn loss.png): summary.json and the final
+    line (even if quiet)."""
     write_json(out / "summary.json", s)
     print(final_line(s, out), flush=True)

@@ -5,10 +5,12 @@ hold the same values, under the tags of `TAGS`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
 
+from zerojax.app.files import RunFileError, cannot_write, replace_file
 from zerojax.app.report import MetricsLog
 
 # Record key -> tag, grouped as MaxText's TensorBoard scalars are.
@@ -23,15 +25,23 @@ TAGS = {
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
     "tflops_per_device": "perf/per_device_tflops_per_sec",
     "mfu": "perf/mfu",
+    "memory_bytes": "perf/device_memory_bytes_in_use",
+    "peak_memory_bytes": "perf/device_memory_peak_bytes_in_use",
     "eval_loss": "eval/loss",
 }
 TENSORBOARD = "tensorboard"  # OUT/tensorboard holds the event files
 WANDB_ID = "wandb_run_id"  # OUT/wandb_run_id: the W&B run a resume continues
 
 
+def tag(key: str) -> str:
+    """The tag of a record's key: `TAGS`'s, or `metrics/KEY` for a model's own (aux) metric."""
+    return TAGS.get(key, f"metrics/{key}")
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A record's values by tag (its step aside)."""
-    return {TAGS[k]: float(v) for k, v in record.items() if k in TAGS}
+    """A record's numeric values by tag (its step aside)."""
+    return {tag(k): float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class TensorBoardSink:
@@ -53,16 +63,54 @@ class TensorBoardSink:
         # A suffix per start: two writers within one second would otherwise share a file name.
         self.writer = SummaryWriter(str(directory), purge_step=start + 1 if old and start
                                     else None, flush_secs=10, filename_suffix=f".from{start}")
+        events = self.writer._get_file_writer().event_writer._ev_writer
+        self.file = events._py_recordio_writer = _Guarded(events._py_recordio_writer)
         if start and not old:  # the run wrote no events before (--no-tensorboard): its records
             for r in earlier:
                 self.write(r)
 
     def write(self, record: dict[str, Any]) -> None:
+        self._check()
         for tag, v in scalars(record).items():
             self.writer.add_scalar(tag, v, record["step"])
 
     def close(self, failed: bool = False) -> None:
         self.writer.close()
+        if not failed:
+            self._check()
+
+    def _check(self) -> None:
+        if self.file.error is not None:
+            raise RunFileError(cannot_write(Path(self.file.path), self.file.error,
+                                            kept="metrics.jsonl holds every record"))
+
+
+class _Guarded:
+    """tensorboardX's event file, whose writes (on tensorboardX's own thread) stop at the first
+    that fails (a full disk) instead of raising there: the sink raises it on the run's thread,
+    once, and the file is closed, so no unwritten buffer is flushed at exit."""
+
+    def __init__(self, inner):
+        self.inner, self.path, self.error = inner, inner.path, None
+
+    def _guard(self, name: str, *args) -> None:
+        if self.error is not None:
+            return
+        try:
+            getattr(self.inner, name)(*args)
+        except OSError as e:
+            self.error = e
+            with contextlib.suppress(OSError):
+                self.inner.close()  # the file is closed even when its last flush fails
+
+    def write(self, data) -> None:
+        self._guard("write", data)
+
+    def flush(self) -> None:
+        self._guard("flush")
+
+    def close(self) -> None:
+        self._guard("close")
 
 
 class WandbSink:
@@ -79,7 +127,7 @@ class WandbSink:
         self.run = wandb.init(project=project, dir=str(out), config=config, resume="allow",
                               id=id_file.read_text().strip() if resumed else None,
                               name=out.name)
-        id_file.write_text(self.run.id + "\n")
+        replace_file(id_file, (self.run.id + "\n").encode())
         if start and not resumed:
             for r in earlier:
                 self.write(r)

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +178,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
-    from zerojax.app.sinks import MetricsWriter
+    from zerojax.app.runlog import RunLog
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
@@ -202,7 +203,10 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                       quantize_grads=cfg.quantize_grads, hpz=cfg.hpz)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
+        from zerojax.checkpoint.store import MisnamedStep, misnamed_note
 
+        warnings.simplefilter("ignore", MisnamedStep)  # a note of the table says it instead
+        notes += filter(None, [misnamed_note(ckpt)])
         try:
             saved = read_metadata(ckpt, cfg.resume_step)["extra"].get("train_config", {})
         except CheckpointError:
@@ -274,13 +278,14 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     def evaluate(state) -> float:
         return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
 
-    log = MetricsWriter(out, start, enabled=lead, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                        config=extra["train_config"] | {"num_params": num_params,
-                                                        "device_count": len(devices),
-                                                        "flops_per_step": step_flops,
-                                                        "peak_tflops": peak})
+    title = f"{cfg.model}, stage {stage}, {len(devices)} devices"
+    log = RunLog(out, engine, start=start, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                 config=extra["train_config"] | {"num_params": num_params,
+                                                 "device_count": len(devices),
+                                                 "flops_per_step": step_flops,
+                                                 "peak_tflops": peak},
+                 peak_tflops=peak, flops_per_step=step_flops, title=title)
     tokens_per_step = cfg.batch * cfg.seq_len
-    skipped = next((r["skipped_steps"] for r in reversed(log.records) if "skipped_steps" in r), 0)
     show = report.Reporter(console, cfg.steps, start, enabled=not cfg.quiet)
     stop = _Stop()
     times, eval_s, saved, interrupted = [], 0.0, {start} if cfg.resume else set(), False
@@ -291,7 +296,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                     f"already at step {start} of {cfg.steps}")
         if start == 0 and cfg.eval_every:
             t = time.perf_counter()
-            log.write({"step": 0, "eval_loss": evaluate(state)})
+            log.eval(0, evaluate(state))
             eval_s += time.perf_counter() - t
         batch = batches.batch(start)
         for step in range(start, cfg.steps):
@@ -305,7 +310,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             state, metrics = engine.step(state, batch)
             if step + 1 < cfg.steps:  # the host builds the next batch while the device works
                 batch = batches.batch(step + 1)
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            loss = float(metrics["loss"])
             dt = time.perf_counter() - t
             if profiling and step == start + 3:
                 jax.profiler.stop_trace()
@@ -316,18 +321,13 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                     f"stopped without saving; {last_good(ckpt)}. Lower --lr, set --clip-norm, "
                     f"use --param-dtype float32, or pass --allow-nonfinite to go on")
             times.append(dt)
-            rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm,
-                   "lr": float(schedule(step)), "tokens_per_s": tokens_per_step / dt,
-                   "tokens_per_s_per_device": tokens_per_step / dt / len(devices),
-                   "step_time_s": dt, **flops.throughput(step_flops, dt, len(devices), peak)}
-            if "loss_scale" in metrics:  # float16's dynamic loss scaling
-                skipped += int(metrics["skipped"])
-                rec |= {"loss_scale": float(metrics["loss_scale"]), "skipped_steps": skipped}
+            ev = None
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 t = time.perf_counter()
-                rec["eval_loss"] = evaluate(state)
+                ev = evaluate(state)
                 eval_s += time.perf_counter() - t
-            log.write(rec)
+            rec = log.step(step + 1, metrics, seconds=dt, lr=float(schedule(step)),
+                           tokens=tokens_per_step, eval_loss=ev)
             show.update(rec)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                 with saving(ckpt):
@@ -341,23 +341,26 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         show.close()
         if profiling:
             jax.profiler.stop_trace()
-    log.close()
     step = int(state.step)  # also right when resumed at --steps, or interrupted
-    with saving(ckpt):
-        if step not in saved and step > 0:
-            engine.save(state, ckpt, step, wait=True, extra=extra)
-        if saved:
-            from zerojax import checkpoint
+    try:  # the state first: a full disk may fail the plot, which is redrawn on resume
+        with saving(ckpt):
+            if step not in saved and step > 0:
+                engine.save(state, ckpt, step, wait=True, extra=extra)
+            if saved:
+                from zerojax import checkpoint
 
-            checkpoint.wait_until_finished(ckpt)
+                checkpoint.wait_until_finished(ckpt)
+    except BaseException:
+        log.close(failed=True)
+        raise
+    log.close()
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
                              flops={"per_step": step_flops, "formula": flops.FORMULA,
                                     "peak_tflops": peak, "peak_from": peak_from})
     if lead:
-        report.finish(out, log.records, summary, f"{cfg.model}, stage {stage}, "
-                                                 f"{len(devices)} devices")
+        report.finish(out, summary)
     if watch is not None:
         watch.leave(lead)
     if interrupted:

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from zerojax.checkpoint.arrays import open_array, stored_arrays
 from zerojax.checkpoint.record import np_checksum, why
 from zerojax.checkpoint.store import _dir, _open
-from zerojax.errors import CheckpointError
+from zerojax.errors import ArgumentError, CheckpointError
 
 STATE_PREFIX = "model_state"  # the model state's keys in an export: model_state/<its keys>
 _CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
@@ -78,7 +78,8 @@ def export(directory, out, step: int | None = None) -> Path:
     `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`."""
     out = Path(os.fspath(out))
     if out.suffix != ".safetensors":
-        raise ValueError(f"--out {out} must end in .safetensors")
+        raise ArgumentError(f"out={str(out)!r} is not a .safetensors file name; export writes "
+                            f"safetensors: pass e.g. out={str(out.with_suffix('.safetensors'))!r}")
     _, step, meta = _open(directory, step)
     path = _dir(directory)
     where = f"step {step} of {path}"
@@ -167,6 +168,8 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="output file, .safetensors")
     try:
         args = p.parse_args(argv)
+        if not args.out.endswith(".safetensors"):
+            p.error(f"--out {args.out} must end in .safetensors")
         out = export(args.checkpoint, args.out, args.step)
     except SystemExit as e:  # --help
         return int(e.code or 0)

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
+import os
+import re
+import resource
 import shutil
 import sys
 import threading
@@ -74,30 +78,76 @@ def first_nonfinite(engine, tree) -> str | None:
     return None if ok.all() else names[int(np.argmin(ok))]
 
 
+# tensorstore names the OS error of a failed write: "... File too large [os_error_code='27']"
+_OS_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def write_errno(e: BaseException) -> int | None:
+    """The OS error (errno) of a write that failed: an OSError's, or the one a tensorstore or
+    orbax message names (a full disk, a file-size limit); None for anything else."""
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    return _errno_of(str(e))
+
+
+def _errno_of(text: str) -> int | None:
+    m = _OS_CODE.search(text)
+    if m:
+        return int(m.group(1))
+    if "No space left on device" in text or "RESOURCE_EXHAUSTED" in text:
+        return errno.ENOSPC
+    if "File too large" in text:
+        return errno.EFBIG
+    if "Disk quota exceeded" in text:
+        return errno.EDQUOT
+    return None
+
+
 def no_space(e: BaseException) -> bool:
     """Whether `e` is a write that failed for lack of space (or quota)."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        _no_space_text(str(e))
+    return write_errno(e) in (errno.ENOSPC, errno.EDQUOT)
 
 
-def _no_space_text(text: str) -> bool:
-    return "No space left on device" in text or "RESOURCE_EXHAUSTED" in text
+def why_not_written(code: int, path: Path) -> str:
+    """Why a write into `path` failed with OS error `code`, and the free space there: "no space
+    left on its device (1.2 MB free)"."""
+    free = free_space(path)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on its device ({free})"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        cap = f" of {limit:,} bytes" if limit != resource.RLIM_INFINITY else ""
+        return f"a file would exceed the file-size limit{cap} (ulimit -f; {free})"
+    return f"{os.strerror(code)} ({free})"
+
+
+def fix_for(code: int) -> str:
+    """What to do about a write that failed with OS error `code`, to go on: "Free some space"."""
+    if code == errno.EFBIG:
+        return "Raise the file-size limit (ulimit -f unlimited)"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "Free some space"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "Make the directory writable"
+    return "Fix the cause"
 
 
 class _QuietNoSpace(logging.Filter):
-    """Drops orbax's log records of a write that failed for lack of space: each of its
-    threads logs the error with a traceback, and `writing` reports it once, as one error."""
+    """Drops orbax's log records of a write that failed (no space, a file-size limit): each of
+    its threads logs the error with a traceback, and `writing` reports it once, as one error;
+    so does asyncio, of the futures the failed write left unread."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" not in record.pathname.replace("\\", "/"):
+        if record.name != "asyncio" and "orbax" not in record.pathname.replace("\\", "/"):
             return True
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += str(record.exc_info[1])
-        return not _no_space_text(text)
+        return _errno_of(text) is None
 
 
 logging.getLogger("absl").addFilter(_QuietNoSpace())
+logging.getLogger("asyncio").addFilter(_QuietNoSpace())
 
 
 def free_space(path: Path) -> str:
@@ -138,7 +188,9 @@ def _remove_partial(path: Path, step: int | None) -> None:
     once orbax's other writers of it are done; on process 0, which orbax lets finalize."""
     for t in threading.enumerate():
         if t.name.startswith(_WRITERS) and t is not threading.current_thread():
-            t.join(timeout=60)
+            with contextlib.suppress(Exception):  # orbax's threads re-raise their error here
+                t.join(timeout=60)
+    gc.collect()  # the failed write's abandoned coroutines end now, not as Python shuts down
     if step is None or jax.process_index() != 0:
         return
     for p in path.glob(f"{step}.orbax-checkpoint-tmp*"):
@@ -147,24 +199,21 @@ def _remove_partial(path: Path, step: int | None) -> None:
 
 @contextlib.contextmanager
 def writing(path: Path, step: int | None = None):
-    """Reports a write into the checkpoint directory `path` that failed for lack of space (or
-    another OS error) as one CheckpointError naming the directory and its free space; the
-    complete steps there are left as they were (orbax writes each step into a temporary
-    directory first, which the next save removes)."""
+    """Reports a write into the checkpoint directory `path` that failed (no space, a file-size
+    limit, another OS error) as one CheckpointError naming the directory, why and its free
+    space; the complete steps there are left as they were (orbax writes each step into a
+    temporary directory first, which is removed here or by the next save)."""
     _quiet_closed_loops()
     try:
         yield
     except Exception as e:  # orbax raises the write's error as it comes, of many types
+        code = write_errno(e)
+        if code is None:
+            raise
+        _remove_partial(path, step)
         what = f"step {step}" if step is not None else "a checkpoint step"
-        free = free_space(path)
-        if no_space(e) or isinstance(e, OSError):
-            _remove_partial(path, step)
-        if no_space(e):
-            damage = (f"cannot write {what} to {path}: no space left on its device ({free}); "
-                      f"the steps saved there before are intact")
-            raise CheckpointError(f"{damage}. Free some space (or keep fewer steps: keep=) and "
-                                  f"save again", damage=damage) from None
-        if isinstance(e, OSError):
-            damage = f"cannot write {what} to {path}: {e.strerror or e}"
-            raise CheckpointError(damage, damage=damage) from None
-        raise
+        damage = (f"cannot write {what} to {path}: {why_not_written(code, path)}; the steps "
+                  f"saved there before are intact")
+        more = " (or keep fewer steps: keep=)" if code in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(f"{damage}. {fix_for(code)}{more} and save again",
+                              damage=damage) from None

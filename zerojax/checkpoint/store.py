@@ -16,6 +16,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
+import warnings
 import weakref
 from pathlib import Path
 
@@ -108,7 +110,16 @@ def _wait(key: str, mngr) -> None:
         raise
 
 
-atexit.register(wait_until_finished)
+def _wait_at_exit() -> None:
+    """A script that ends during a `wait=False` save waits for it; if the save fails (a full
+    disk), one line says so instead of a traceback from the exit handler."""
+    try:
+        wait_until_finished()
+    except CheckpointError as e:
+        print(f"zerojax: {e}", file=sys.stderr)
+
+
+atexit.register(_wait_at_exit)
 
 
 def save(engine, state, directory, step: int | None = None, *, wait: bool = True,
@@ -190,13 +201,47 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     return step
 
 
+class MisnamedStep(UserWarning):
+    """A step directory whose name is not a step number (renamed, e.g. to "best"): it is not
+    among the steps that restore, list or export see."""
+
+
+def misnamed(directory) -> list[str]:
+    """The step directories in `directory` whose names are not step numbers, each as "NAME
+    (step S by its record)", sorted; a complete step renamed (`mv 20 best`) is no step."""
+    out, directory = [], Path(directory)
+    if not directory.is_dir():
+        return out
+    for p in sorted(directory.iterdir()):
+        if p.name.isdigit() or "orbax-checkpoint-tmp" in p.name or not p.is_dir() \
+                or not (p / META / "metadata").is_file():
+            continue
+        recorded = _recorded_step(directory, p.name)
+        out.append(p.name + (f" (step {recorded} by its record)" if recorded is not None
+                             else ""))
+    return out
+
+
+def misnamed_note(directory) -> str | None:
+    """What `misnamed` finds, as one sentence (None when nothing)."""
+    names = misnamed(directory)
+    if not names:
+        return None
+    return (f"{directory} holds step directories whose names are not step numbers, which no "
+            f"restore sees: {', '.join(names)}; rename one to its step number to use it")
+
+
 def _complete(directory) -> tuple[Path, ocp.CheckpointManager, list[int]]:
-    """(checkpoint directory, its manager, its complete steps oldest first)."""
+    """(checkpoint directory, its manager, its complete steps oldest first); a warning
+    (`MisnamedStep`) names the step directories whose names are no step numbers."""
     path = _dir(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     wait_until_finished(path)
     mngr = _manager(path)
+    note = misnamed_note(path)
+    if note is not None:
+        warnings.warn(note, MisnamedStep, stacklevel=3)
     return path, mngr, sorted(mngr.all_steps())
 
 
@@ -204,8 +249,12 @@ def _pick(path: Path, steps: list[int], step: int | None) -> int:
     step = None if step is None else check_step(step)
     if not steps:
         partial = sorted(p.name for p in path.iterdir() if "tmp" in p.name)
+        names = misnamed(path)
         raise CheckpointError(f"{path} holds no complete checkpoint step"
-                              + (f" (incomplete saves: {', '.join(partial)})" if partial else ""))
+                              + (f" (incomplete saves: {', '.join(partial)})" if partial else "")
+                              + (f"; step directories whose names are not step numbers: "
+                                 f"{', '.join(names)}; rename one to its step number to use it"
+                                 if names else ""))
     if step is None:
         return steps[-1]
     if step not in steps:
@@ -251,7 +300,7 @@ def steps(directory) -> list[int]:
     return [s for s in complete if _recorded_step(path, s) in (s, None)]
 
 
-def _recorded_step(path: Path, step: int) -> int | None:
+def _recorded_step(path: Path, step: int | str) -> int | None:
     """The step the record in `path/step` names; None if it cannot be read (a damaged record,
     which restore reports)."""
     try:
