@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from functools import partial
 from typing import Any
@@ -31,7 +30,7 @@ from zerojax.mesh import (
     put_batch,
     remember_batch,
 )
-from zerojax.partition import Layout, LeafSpec, manual, model_plan
+from zerojax.partition import Layout, LeafSpec, logical_shardings, manual, model_plan
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.state import TrainState, check_state
 from zerojax.step import (
@@ -396,26 +395,15 @@ class Engine:
         mesh, replicated = self.mesh, NamedSharding(self.mesh, P())
         # hpZ shards the state over both axes, data-major: so do its logical leaves, else
         # turning one into the other replicates each leaf whole on every device.
-        axes = (DATA, REPLICA) if self.config.hpz else (DATA,)
-        n = math.prod(dict(mesh.shape)[a] for a in axes)
-        sds = lambda shape, dtype, leaf=None: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=_logical_sharding(mesh, shape, leaf, axes)
-            if math.prod(shape) >= n or (leaf is not None and leaf.is_split) else replicated)
-        params = jax.tree.unflatten(treedef, [sds(leaf.shape, jnp.float32, leaf)
-                                              for leaf in leaves])
-        # An optimizer-state leaf where a param sits (a moment) is split as the param is.
-        by_path = {tuple(p): leaf for (p, _), leaf in zip(
-            jax.tree.flatten_with_path(params)[0], leaves)}
-
-        def like(path, x):
-            for i in range(len(path)):
-                leaf = by_path.get(tuple(path[i:]))
-                if leaf is not None and tuple(x.shape) == leaf.shape:
-                    return sds(x.shape, x.dtype, leaf)
-            return sds(x.shape, x.dtype)
-
+        like = logical_shardings(mesh, leaves, treedef, (DATA, REPLICA) if self.config.hpz
+                                 else (DATA,))
+        params = jax.tree.unflatten(treedef, [
+            jax.ShapeDtypeStruct(leaf.shape, jnp.float32, sharding=like((), leaf.shape, leaf))
+            for leaf in leaves])
+        like_sds = lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=like(path, x.shape))
         opt = jax.tree_util.tree_map_with_path(
-            like, _key_data(jax.eval_shape(self.optimizer.init, params)))
+            like_sds, _key_data(jax.eval_shape(self.optimizer.init, params)))
         whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
         tree = {"params": params, "opt_state": opt, "step": whole(jnp.zeros((), jnp.int32)),
                 "loss_scale": jax.tree.map(whole, {"scale": jnp.zeros((), jnp.float32),
@@ -462,21 +450,6 @@ class Engine:
         """The saved state of `step` (default: latest) on this engine's mesh and stage."""
         from zerojax import checkpoint
         return checkpoint.restore(self, directory, step)
-
-
-def _logical_sharding(mesh, shape, leaf: LeafSpec | None, axes=(DATA,)) -> NamedSharding:
-    """Over `axes` ("data"; hpZ: "data" and "replica") on the unit's first divisible axis (a
-    local reshape of the flat shard), and a split leaf over "model" on its split dimension."""
-    n = math.prod(dict(mesh.shape)[a] for a in axes)
-    spec = axes[0] if len(axes) == 1 else tuple(axes)
-    dims = list(leaf.logical_spec()) if leaf is not None and leaf.is_split else []
-    dims += [None] * (len(shape) - len(dims))
-    first = 1 if leaf is not None and leaf.stacked else 0
-    for a in [*range(first, len(shape)), *range(first)]:
-        if n > 1 and dims[a] is None and shape[a] % n == 0:
-            dims[a] = spec
-            break
-    return NamedSharding(mesh, P(*dims) if any(d is not None for d in dims) else P())
 
 
 def _rows(batch, lo: int, hi: int, size: int):

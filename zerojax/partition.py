@@ -300,3 +300,36 @@ def model_plan(model, leaves: tuple[LeafSpec, ...], treedef, devices: int) -> tu
         splits = {leaf.path: spec_split(spec, leaf.shape, leaf.path)
                   for leaf, spec in zip(leaves, flat)}
     return split_leaves(tuple(leaves), splits, devices)
+
+
+def logical_shardings(mesh, leaves: tuple[LeafSpec, ...], treedef, axes=(DATA,)):
+    """`like(path, shape, leaf=None)`: the NamedSharding of a logical value (a checkpoint's
+    leaf) of `shape` — over `axes` on its unit's first axis that they divide (a local reshape
+    of the flat shard), and, for a param `leaf` or a value where a param sits (an optimizer
+    moment: its `path` ends with the param's, of its shape), split over "model" as the param
+    is; replicated when smaller than the devices of `axes`."""
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
+    spec = axes[0] if len(axes) == 1 else tuple(axes)
+    shapes = jax.tree.unflatten(treedef, [0] * len(leaves))
+    by_path = {tuple(p): leaf for (p, _), leaf in zip(jax.tree.flatten_with_path(shapes)[0],
+                                                       leaves)}
+
+    def like(path, shape, leaf=None):
+        shape = tuple(shape)
+        if leaf is None:
+            leaf = next((lf for i in range(len(path)) if (lf := by_path.get(tuple(path[i:])))
+                         is not None and lf.shape == shape), None)
+        split = leaf is not None and leaf.is_split
+        if math.prod(shape) < n and not split:
+            return jax.sharding.NamedSharding(mesh, P())
+        dims = list(leaf.logical_spec()) if split else []
+        dims += [None] * (len(shape) - len(dims))
+        first = 1 if leaf is not None and leaf.stacked else 0
+        for a in [*range(first, len(shape)), *range(first)]:
+            if n > 1 and dims[a] is None and shape[a] % n == 0:
+                dims[a] = spec
+                break
+        return jax.sharding.NamedSharding(mesh, P(*dims) if any(d is not None for d in dims)
+                                          else P())
+
+    return like
