@@ -218,12 +218,12 @@ def _link_facts(a, peak: float, where: str) -> dict[str, str]:
         return {}
 
     links = a.bandwidth if isinstance(a.bandwidth, dict) else {"every link": a.bandwidth}
-    if isinstance(a.bandwidth, dict) and "model" not in links:
-        links = {**links, "model": links["data"]}
+    model = "" if not isinstance(a.bandwidth, dict) or "model" in links else \
+        f", model {format_bytes(links['data'])}/s (data's)"
     zeropp = ("hpZ (exact)" if a.replica > 1 else "") if a.quantize == "off" else \
         f"qwZ int8 + qgZ {a.quantize or 'int4'}" + (", hpZ" if a.replica > 1 else "")
     return {"links": ", ".join(f"{axis} {format_bytes(bw)}/s" for axis, bw in links.items())
-            + (f"; {a.replica} groups of {a.devices // a.replica} devices"
+            + model + (f"; {a.replica} groups of {a.devices // a.replica} devices"
                if a.replica > 1 else ""),
             "compute": f"model FLOPs per device at {100 * a.efficiency:g}% of {peak:g} TFLOP/s "
                        f"({where})" + ("" if a.device or a.peak_tflops else
