@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from zerojax.analysis import plan_checks as check
 from zerojax.analysis.accounting import STAGES, format_bytes
 from zerojax.analysis.ranking import GAIN, TIE, best_per_group, budget_text, choose, cost_of
 from zerojax.analysis.steptime import (
@@ -163,15 +164,16 @@ class PlanResult:
         (nothing recompiled; candidates that were not compiled stay rejected)."""
         cands = [dataclasses.replace(c) for c in self.candidates]
         models = {c.model for c in cands}
-        kw = {"margin": _margin(self.margin if margin is None else margin),
-              "efficiency": _efficiency(self.efficiency if efficiency is None else efficiency),
-              "latency": _latency(self.latency if latency is None else latency)}
+        kw = {"margin": check.margin(self.margin if margin is None else margin),
+              "efficiency": check.efficiency(self.efficiency if efficiency is None
+                                             else efficiency),
+              "latency": check.latency(self.latency if latency is None else latency)}
         if peak_tflops is not None:
             kw |= dict(zip(("peak_tflops", "peak_from"), target_peak(peak_tflops)))
         return choose(dataclasses.replace(
             self, candidates=cands, best=None,
             device_memory=self.device_memory if device_memory is None else int(device_memory),
-            bandwidth=self.bandwidth if bandwidth is None else _links(bandwidth, self.replica,
+            bandwidth=self.bandwidth if bandwidth is None else check.links(bandwidth, self.replica,
                                                                       models),
             **kw))
 
@@ -251,9 +253,10 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
     if quantize is not None and quantize not in ("int4", "int8"):
         raise ConfigError(f"quantize={quantize!r}: the gradient format plan may choose is "
                           f"'int4', 'int8', or None for exact options only")
-    sizes = _model_sizes(model, devices, replica, model_parallel)
-    links = _links(bandwidth, replica, sizes)
-    margin, efficiency, latency = _margin(margin), _efficiency(efficiency), _latency(latency)
+    sizes = check.model_sizes(model, devices, replica, model_parallel)
+    links = check.links(bandwidth, replica, sizes)
+    margin, efficiency = check.margin(margin), check.efficiency(efficiency)
+    latency = check.latency(latency)
     peak, peak_from = target_peak(peak_tflops, device, jax.devices()[0])
     optimizer = optax.adamw(LR) if optimizer is None else optimizer
     meshes: dict[tuple[int, int], Any] = {}
@@ -372,81 +375,6 @@ def on_links(found: dict[str, float], mesh_replica: int, replica: int) -> dict[s
         out = {"all": sum(v for k, v in found.items() if k != "model")}
         return out | ({"model": found["model"]} if "model" in found else {})
     return dict(found)
-
-
-def _model_sizes(model, devices: int, replica: int, model_parallel) -> tuple[int, ...]:
-    """The model-axis sizes `plan` may try (see `plan`), 1 first."""
-    from zerojax.analysis.tensor import allowed_model_sizes
-    from zerojax.errors import ConfigError
-
-    per = devices // replica if devices % replica == 0 else devices
-    if model_parallel is None:
-        heads = getattr(getattr(model, "cfg", None), "n_heads", None)
-        return tuple(allowed_model_sizes(model, per, heads))
-    sizes = (model_parallel,) if isinstance(model_parallel, int) else tuple(model_parallel)
-    for m in sizes:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or per % m:
-            raise ConfigError(f"model_parallel={model_parallel!r}: each size must be a positive "
-                              f"integer that divides the {per} devices of a replica")
-    if not sizes:
-        raise ConfigError("model_parallel=(): give at least one model-axis size, e.g. (1, 2)")
-    return tuple(sorted(set(sizes)))
-
-
-def _margin(margin) -> float:
-    from zerojax.errors import ConfigError
-
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
-            or not 0 <= margin < 1:
-        raise ConfigError(f"margin={margin!r}: give the share of device memory to keep free, "
-                          f"in [0, 1) (e.g. 0.1)")
-    return float(margin)
-
-
-def _latency(latency) -> float:
-    from zerojax.errors import ConfigError
-
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) \
-            or not 0 <= latency < 1:
-        raise ConfigError(f"latency={latency!r}: give the seconds a collective launch costs, "
-                          f">= 0 (e.g. {LATENCY})")
-    return float(latency)
-
-
-def _efficiency(efficiency) -> float:
-    from zerojax.errors import ConfigError
-
-    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) \
-            or not 0 < efficiency <= 1:
-        raise ConfigError(f"efficiency={efficiency!r}: give the fraction of the peak compute "
-                          f"runs at (the MFU), in (0, 1], e.g. {EFFICIENCY}")
-    return float(efficiency)
-
-
-def _links(bandwidth, replica: int, models=(1,)) -> dict[str, float] | None:
-    """`bandwidth` as {axis: bytes/s}, checked against `replica`; the "model" link, where a
-    model axis is searched and not named, is the "data" link's."""
-    from zerojax.errors import ConfigError
-
-    if bandwidth is None:
-        if replica > 1:
-            raise ConfigError(f"replica={replica} weighs the link between replicas against the "
-                              f"one within: give bandwidth={{'data': ..., 'replica': ...}}")
-        return None
-    axes = ("data", "replica") if replica > 1 else ("data",)
-    links = dict.fromkeys(axes, bandwidth) if not isinstance(bandwidth, dict) else dict(bandwidth)
-    named = set(links) - {"model"}
-    if named != set(axes):
-        raise ConfigError(f"bandwidth={bandwidth!r}: with replica={replica} give one figure or "
-                          f"one per mesh axis, {' and '.join(axes)} (and model)"
-                          + ("" if replica > 1 else " (a replica link needs replica > 1)"))
-    for axis, bw in links.items():
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
-            raise ConfigError(f"bandwidth for {axis!r} is {bw!r}: give bytes per second > 0")
-    if max(models) > 1 or "model" in links:
-        links.setdefault("model", bandwidth if not isinstance(bandwidth, dict)
-                         else links["data"])
-    return {axis: float(bw) for axis, bw in links.items()}
 
 
 def _zeropp(base: Candidate, quantize: str | None, alone: bool = False) -> list[Candidate]:
