@@ -1,5 +1,6 @@
 """The analytic memory and communication model against the ZeRO paper and the seeds."""
 
+import dataclasses
 import math
 import types
 
@@ -104,7 +105,7 @@ def test_comm_stage_ratios(n):
     psi, b = 1_000_000, 2
     c = [comm_estimate(psi, n, s) for s in range(4)]
     ddp = 2 * (n - 1) / n * psi * b
-    assert c[0] == CommEstimate(ddp, 0.0, 0.0, ddp)
+    assert c[0] == CommEstimate(ddp, 0.0, 0.0, ddp, axes={"data": ddp})
     assert c[1].total == pytest.approx(ddp, rel=1e-12)
     assert c[2] == c[1]
     assert c[3].total == pytest.approx(1.5 * c[0].total, rel=1e-12)
@@ -115,9 +116,9 @@ def test_comm_stage_ratios(n):
 def test_comm_seed_003_two_gpus():
     # Ring on 2 GPUs sends half of each 520-byte buffer per collective; the seed's table lists
     # buffer sizes (520 B + 520 B = 1,040 B), not bytes sent.
-    assert comm_estimate(260, 2, 0) == CommEstimate(520, 0, 0, 520)
-    assert comm_estimate(260, 2, 1) == CommEstimate(0, 260, 260, 520)
-    assert comm_estimate(260, 2, 3) == CommEstimate(0, 260, 520, 780)
+    assert comm_estimate(260, 2, 0) == CommEstimate(520, 0, 0, 520, axes={"data": 520})
+    assert comm_estimate(260, 2, 1) == CommEstimate(0, 260, 260, 520, axes={"data": 520})
+    assert comm_estimate(260, 2, 3) == CommEstimate(0, 260, 520, 780, axes={"data": 780})
 
 
 def test_comm_reduce_bytes():
@@ -137,7 +138,10 @@ def test_comm_hybrid_adds_replica_all_reduce(stage):
 
 
 def test_comm_hybrid_stage_0_all_reduces_over_all_devices():
-    assert comm_estimate(1000, 8, 0, replica=2) == comm_estimate(1000, 8, 0)
+    hybrid, flat = comm_estimate(1000, 8, 0, replica=2), comm_estimate(1000, 8, 0)
+    assert dataclasses.replace(hybrid, axes={}) == dataclasses.replace(flat, axes={})
+    # The same ring, but across the replica groups' slower link.
+    assert (hybrid.axes, flat.axes) == ({"all": 3500.0}, {"data": 3500.0})
 
 
 def test_single_device_sends_nothing():

@@ -137,6 +137,19 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "offload": ("--stage 0 --offload optimizer",
                 "--offload optimizer needs --stage 1, 2 or 3 (got --stage 0)"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
+    "model parallel vs devices": ("--devices 8 --model-parallel 3",
+                                  "--model-parallel=3 does not divide the 8 devices of the run; "
+                                  "use a divisor of 8"),
+    "model parallel vs replica groups": ("--devices 8 --replica 4 --model-parallel 4 --batch 8",
+                                         "--model-parallel=4 does not divide the 2 devices of a "
+                                         "replica group"),
+    "model parallel vs heads": ("--devices 8 --model-parallel 8",
+                                "--model-parallel=8 does not divide preset 'nano''s 4 attention "
+                                "heads (Megatron gives each model device whole heads)"),
+    "batch vs data-parallel devices": ("--devices 8 --model-parallel 2 --batch 6",
+                                       "--batch=6 is not divisible by the 4 data-parallel "
+                                       "devices; use a multiple of 4"),
+    "model parallel 0": ("--model-parallel 0", "--model-parallel=0 must be a positive integer"),
     "negative ids": ("--model test --data {tmp}/neg.npy",
                      "2 token id(s) outside [0, 64) (preset 'test' has vocab_size 64), the "
                      "first -1 at position 3;"),
@@ -727,6 +740,41 @@ def test_nano_stage3_learns_and_writes_outputs(tmp_path):
     s = zerojax("sample", tmp_path, "--prompt", "def ", "--tokens", 40, "--temperature", 0)
     assert s.returncode == 0, s.stderr
     assert s.stdout.startswith("def ") and len(s.stdout.encode()) >= 40
+
+
+@pytest.mark.slow
+def test_model_parallel_quick_start_reaches_the_same_eval_loss(tmp_path):
+    """The quick start on 8 devices, with and without a model axis of 2: the same eval loss
+    after 50 steps (float32; only the order of the reductions differs)."""
+    argv = ["train", "--devices", 8, "--steps", 50, "--eval-every", 50, "--no-tensorboard"]
+    runs = {name: zerojax(*argv, *more, "--out", tmp_path / name, fast=False)
+            for name, more in (("flat", []), ("tp", ["--model-parallel", 2]))}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    summary = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
+    flat, tp = (summary[n]["final_eval_loss"] for n in ("flat", "tp"))
+    assert tp == pytest.approx(flat, rel=1e-4) and tp != flat  # two programs, one model
+    assert summary["tp"]["initial_eval_loss"] - tp > 2.0  # it learned
+    assert summary["tp"]["devices"]["mesh"] == {"data": 4, "model": 2}
+    out = runs["tp"].stdout
+    assert "data=4 × model=2" in out and "(4 sequences per data-parallel device)" in out
+    assert "split            855,552 params in 8 leaves, 1/2 per model device" in out
+    assert "over model" in out
+    # The state per device: split params over 8, the 19,712 replicated over 4 (fp32 Adam).
+    measured = summary["tp"]["memory_per_device"]["measured_state_bytes"]
+    assert measured == pytest.approx(12 * (855_552 / 8 + 19_712 / 4), rel=1e-3)
+    print(f"eval loss after 50 steps: flat {flat!r}, data 4 x model 2 {tp!r}")
+
+
+@pytest.mark.slow
+def test_a_split_the_preset_does_not_divide_is_one_line(tmp_path):
+    """gpt2-small's 50257-row vocabulary splits over no model axis: the engine's ConfigError,
+    as one line."""
+    r = zerojax("train", "--model", "gpt2-small", "--devices", 2, "--model-parallel", 2,
+                "--batch", 2, "--steps", 1, "--out", tmp_path / "run")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("zerojax train: error: parameter ")
+    assert "of size 50257, which 2 model devices do not divide" in r.stderr
 
 
 @pytest.mark.slow

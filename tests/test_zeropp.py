@@ -607,7 +607,7 @@ def test_measure_command_splits_the_bytes_by_link_on_a_hybrid_mesh(capsys, monke
 def test_estimate_command_takes_the_zeropp_options(capsys):
     import json
 
-    from zerojax.analysis.commands import estimate_main
+    from zerojax.analysis.estimate_command import estimate_main
 
     psi, argv = 7_500_000_000, ["--params", "7.5e9", "--devices", "64", "--replica", "8"]
     assert estimate_main([*argv, "--quantize-weights", "int8", "--quantize-grads", "int4",

@@ -4,6 +4,11 @@ The analytic model follows Rajbhandari et al. 2020 (ZeRO, Figure 1 and section 7
 model-state bytes and per-device bytes sent by ring collectives, as functions of the parameter
 count Ψ, the stage and the device count. Sizes are exact fractions Ψ·b/N (no padding).
 measurement.py checks them against compiled programs.
+
+With a `model` axis of M devices (tensor parallelism, DESIGN.md section 8) the ZeRO formulas
+apply to each device's model piece, Ψ_split/M + Ψ_replicated params, sharded over the
+N = devices / (replica · M) devices of `data`; Megatron's activation all-reduces over `model`
+are tensor.py's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from zerojax.analysis.tensor import Activations
 from zerojax.collectives.quantize import FORMATS, SCALE_BYTES, bytes_per_element
 from zerojax.config import OFFLOADS, QUANT_BLOCK
 from zerojax.precision import DTYPES
@@ -52,6 +58,23 @@ class MemoryEstimate:
         """The fields; hpZ's `secondary` only where it is not 0."""
         return _without_zero(dataclasses.asdict(self), ("secondary",))
 
+    def row(self) -> dict[str, str]:
+        """The columns `zerojax estimate` prints for a stage's memory (offload's host bytes
+        and hpZ's secondary copy where they are not 0)."""
+        row = {k: format_bytes(getattr(self, k)) for k in ("params", "grads", "optimizer",
+                                                            "total")}
+        if self.host or self.transfer:
+            row |= {"host": format_bytes(self.host), "host<->device": format_bytes(self.transfer)}
+        if self.secondary:
+            row["hpZ secondary"] = format_bytes(self.secondary)
+        return row
+
+    def __str__(self) -> str:
+        """The estimate as `zerojax estimate`'s table prints it, one row."""
+        from zerojax.analysis.tables import render_table
+
+        return render_table("per-device model state (estimated)", [self.row()]).rstrip("\n")
+
 
 def _without_zero(d: dict[str, float], optional: tuple[str, ...]) -> dict[str, float]:
     return {k: v for k, v in d.items() if k not in optional or v}
@@ -68,6 +91,10 @@ class CommEstimate:
     all_to_all: float = 0.0  # qgZ: quantized pieces (values + scales)
     all_gather_scales: float = 0.0  # qwZ: the float32 block scales within `all_gather`
     all_to_all_scales: float = 0.0  # qgZ: the float32 block scales within `all_to_all`
+    # The total by the mesh axes the collectives span: "data", "replica", "all" (a ring over
+    # replica and data together: stage 0 with replicas), "model" (Megatron's all-reduces, in
+    # `all_reduce` too; only where the activations were given); axes that send nothing left out.
+    axes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         """The fields; the ZeRO++ ones only where they are not 0."""
@@ -78,8 +105,9 @@ ZEROPP_COMM = ("all_to_all", "all_gather_scales", "all_to_all_scales")
 
 
 def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any = None,
-           **nbytes: Any) -> int:
-    """Validates the common arguments; returns N, the devices the state is sharded over."""
+           model: Any = 1, split_params: Any = None, **nbytes: Any) -> int:
+    """Validates the common arguments; returns N, the devices the state is sharded over (the
+    `data` axis: devices / (replica · model))."""
     if offload is not None and offload not in OFFLOADS:
         raise EstimateError(f"offload={offload!r} is not an offload mode; use one of "
                             f"{OFFLOADS} or None")
@@ -92,7 +120,7 @@ def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any
         raise EstimateError(f"num_params={num_params!r} must be a non-negative whole number")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
         raise EstimateError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    for name, value in (("devices", devices), ("replica", replica)):
+    for name, value in (("devices", devices), ("replica", replica), ("model", model)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EstimateError(f"{name}={value!r} must be an integer >= 1")
     if devices % replica:
@@ -100,10 +128,28 @@ def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any
             f"devices={devices} is not divisible by replica={replica}; "
             f"use a replica count that divides the device count"
         )
+    if devices % (replica * model):
+        raise EstimateError(f"devices={devices} do not split into replica={replica} x data x "
+                            f"model={model}; use a model size that divides devices / replica")
+    if split_params is not None and (isinstance(split_params, bool)
+                                     or not isinstance(split_params, (int, float))
+                                     or not 0 <= split_params <= num_params):
+        raise EstimateError(f"split_params={split_params!r} must be a number of params between "
+                            f"0 and num_params={num_params}")
     for name, value in nbytes.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise EstimateError(f"{name}={value!r} must be a non-negative number of bytes")
-    return devices // replica
+    return devices // (replica * model)
+
+
+def _piece(num_params: int, model: int, split_params: float | None) -> float:
+    """Params of one device's model piece (all of them without a model axis)."""
+    from zerojax.analysis.tensor import piece_params
+
+    if model == 1:
+        return num_params
+    return piece_params(num_params, num_params if split_params is None else split_params,
+                        model)
 
 
 def estimate(
@@ -118,8 +164,16 @@ def estimate(
     offload: str | None = None,
     hpz: bool = False,
     secondary_bytes: float | None = None,
+    model: int = 1,
+    split_params: float | None = None,
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
+
+    `model` = M > 1 (tensor parallelism): `devices` counts every device, replica × data ×
+    model; the `split_params` (default: all) are split over `model` and the rest replicated
+    over it, so each device's model piece holds Ψ_split/M + Ψ_replicated params, and the
+    formulas below shard that over the N = devices / (replica · M) devices of `data` (stage 3:
+    the split params over D·M, the replicated over D).
 
     `optimizer_bytes` is K: the fp32 master and the optimizer state per param (Adam: 4 + 8).
 
@@ -138,15 +192,17 @@ def estimate(
         stage,
         replica,
         offload,
+        model,
+        split_params,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
     )
     _check_hpz(hpz, stage, replica)
-    psi = int(num_params)
+    psi = _piece(int(num_params), model, split_params)
     secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
         if hpz else 0.0
-    n = devices if hpz else n
+    n = devices // model if hpz else n
     params = psi * param_bytes / (n if stage >= 3 else 1)
     grads = psi * grad_bytes / (n if stage >= 2 else 1)
     optimizer = psi * optimizer_bytes / (n if stage >= 1 else 1)
@@ -183,7 +239,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                    *, replica: int = 1, offload: str | None = None,
                    optimizer_state_bytes: float = ADAM_BYTES, hpz: bool = False,
                    quantize_weights: str | None = None, quantize_grads: str | None = None,
-                   quant_block: int = QUANT_BLOCK) -> MemoryEstimate:
+                   quant_block: int = QUANT_BLOCK, model: int = 1,
+                   split_params: float | None = None) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
     moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
@@ -197,20 +254,22 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     bytes and the device always keeps a compute copy. `hpz`: see `estimate`; its secondary
     copy is in `param_dtype`, or int8 plus scales under `quantize_weights`. Under
     `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
+    `model`, `split_params`: the model axis, as `estimate` takes it.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
                             f"{sorted(DTYPES)}")
     size = jnp.dtype(DTYPES[param_dtype]).itemsize
     master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
-    _check(num_params, devices, stage, replica, offload,
+    _check(num_params, devices, stage, replica, offload, model, split_params,
            optimizer_state_bytes=optimizer_state_bytes)
     _check_formats(quantize_weights, quantize_grads, quant_block)
     secondary = bytes_per_element(quantize_weights, quant_block) if quantize_weights else size
     grads = MASTER_BYTES if quantize_grads else size
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
-                    offload=offload, hpz=hpz, secondary_bytes=secondary)
+                    offload=offload, hpz=hpz, secondary_bytes=secondary, model=model,
+                    split_params=split_params)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -237,8 +296,12 @@ def comm_estimate(
     quantize_grads: str | None = None,
     quant_block: int = QUANT_BLOCK,
     hpz: bool = False,
+    model: int = 1,
+    split_params: float | None = None,
+    activations: Activations | None = None,
 ) -> CommEstimate:
-    """Per-device bytes sent per training step by ring collectives, by collective.
+    """Per-device bytes sent per training step by ring collectives, by collective and (`axes`)
+    by the mesh axes they cross.
 
     ZeRO++ (Wang et al. 2023): `quantize_weights="int8"` (qwZ) sends each gathered param as
     1 + 4/`quant_block` bytes (int8 value + its share of a float32 scale);
@@ -247,6 +310,11 @@ def comm_estimate(
     (and stage 0's) into those plus an all_gather of the sum in `param_bytes`; `hpz` (stage 3)
     adds a gather over the replicas of the Ψ/D secondary shard and reduces the gradient over
     the replicas too (a reduce-scatter instead of an all-reduce).
+
+    `model` = M > 1 (`devices` counts replica × data × model): ZeRO's collectives move each
+    device's model piece (Ψ_split/M + Ψ_replicated, `estimate`) over `data` and `replica`;
+    given the `activations` of a step, Megatron's all-reduces over `model`
+    (`tensor.megatron_bytes`) add to `all_reduce` and `axes["model"]`.
     """
     rb = grad_bytes if reduce_bytes is None else reduce_bytes
     n = _check(
@@ -254,6 +322,9 @@ def comm_estimate(
         devices,
         stage,
         replica,
+        None,
+        model,
+        split_params,
         grad_bytes=grad_bytes,
         param_bytes=param_bytes,
         reduce_bytes=rb,
@@ -262,37 +333,48 @@ def comm_estimate(
     _check_hpz(hpz, stage, replica)
     if quantize_weights and stage == 0:
         raise EstimateError("quantize_weights needs stage 1, 2 or 3: stage 0 gathers no params")
-    psi = int(num_params)
+    psi = _piece(int(num_params), model, split_params)
+    data = replica * n  # the devices stage 0 all-reduces over: every one of a model index
     wb = bytes_per_element(quantize_weights, quant_block) if quantize_weights else param_bytes
     qb = bytes_per_element(quantize_grads, quant_block) if quantize_grads else rb
     g, p = psi * rb, psi * wb
     weights = sums = rs = ar = a2a = 0.0  # all_gathers: of params; of reduced gradients
+    over = {"data": 0.0, "replica": 0.0, "all": 0.0}  # bytes by the axes they cross
     if stage == 0 and not quantize_grads:
         # DDP all-reduces over every device; the replica axis is just more data parallelism.
-        ar = _ring(devices, g, 2)
+        ar = over["all" if replica > 1 else "data"] = _ring(data, g, 2)
     elif stage == 0:  # quantized reduce-scatters (data, then replica), then gathers of the sum
         a2a = _ring(n, psi * qb) + _ring(replica, psi * qb / n)
         sums = _ring(replica, psi * param_bytes / n) + _ring(n, psi * param_bytes)
+        over["data"] = _ring(n, psi * qb) + _ring(n, psi * param_bytes)
+        over["replica"] = _ring(replica, psi * qb / n) + _ring(replica, psi * param_bytes / n)
     else:
         # Stage 3 gathers each unit in forward and again in backward (remat).
         weights = _ring(n, p, 2 if stage == 3 else 1)
         hop = _ring(n, psi * qb)
         a2a, rs = (hop, 0.0) if quantize_grads else (0.0, hop)
+        over["data"] = weights + hop
         if hpz:  # the secondary shard over the replicas; the gradient reduced over them too
             weights += _ring(replica, p / n)
             if quantize_grads:
                 a2a += _ring(replica, psi * qb / n)
             else:
                 rs += _ring(replica, g / n)
+            over["replica"] = _ring(replica, p / n) + _ring(replica, psi * qb / n)
         elif quantize_grads:
             a2a += _ring(replica, psi * qb / n)
             sums = _ring(replica, psi * param_bytes / n)
+            over["replica"] = _ring(replica, psi * qb / n) + sums
         else:  # hybrid sharding: the 1/N gradient shard is all-reduced across the R replicas
-            ar = _ring(replica, g / n, 2)
+            ar = over["replica"] = _ring(replica, g / n, 2)
+    if activations is not None and model > 1:
+        over["model"] = activations.bytes(model, param_bytes)
+        ar += over["model"]
     ag = weights + sums
     ag_scales = weights * SCALE_BYTES / quant_block / wb if quantize_weights else 0.0
     a2a_scales = a2a * SCALE_BYTES / quant_block / qb if quantize_grads else 0.0
-    return CommEstimate(ar, rs, ag, ar + rs + ag + a2a, a2a, ag_scales, a2a_scales)
+    return CommEstimate(ar, rs, ag, ar + rs + ag + a2a, a2a, ag_scales, a2a_scales,
+                        {k: v for k, v in over.items() if v})
 
 
 _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
@@ -314,13 +396,16 @@ def format_bytes(n: float) -> str:
 def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[str, str]]:
     """Rows for stages 0..3: memory by kind, total, saving vs stage 0 and bytes sent per step.
 
-    `kwargs` are the byte sizes, `replica` and `offload` of `estimate` / `comm_estimate`, and
+    `kwargs` are the byte sizes, `replica`, `offload`, `model` and `split_params` of
+    `estimate` / `comm_estimate` (and its `activations`: then an "over model" column), and
     ZeRO++'s `quantize_weights` (stages 1-3), `quantize_grads` and `hpz` (stage 3 row).
     With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
     add the `host` bytes and the host<->device `transfer` per step; `total` is device bytes.
     """
-    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload")
-    comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica")
+    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
+                "split_params")
+    comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica", "model",
+                 "split_params", "activations")
     zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
     unknown = set(kwargs) - set(mem_keys) - set(comm_keys) - set(zeropp_keys)
     if unknown:
@@ -359,5 +444,7 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
             row["hpZ secondary"] = format_bytes(m.secondary)
         if qw or qg:
             row["of which scales"] = format_bytes(c.all_gather_scales + c.all_to_all_scales)
+        if "model" in c.axes:
+            row["over model"] = format_bytes(c.axes["model"])
         rows.append(row)
     return rows

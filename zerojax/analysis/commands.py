@@ -1,5 +1,6 @@
-"""The `estimate` and `measure` commands of `python -m zerojax` (`plan`: plan_command.py), and
-what the three share.
+"""The `measure` command of `python -m zerojax` (`estimate`: estimate_command.py, `plan`:
+plan_command.py), and what the three share: the model's shape from the command line, the
+simulated devices, the assumptions block.
 
 `measure` and `plan` simulate devices on the CPU backend, whose device count is fixed when jax
 starts its backend: the commands set XLA_FLAGS first, so they must run before anything in the
@@ -9,20 +10,11 @@ process has touched jax devices (as `python -m zerojax ...` does).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 
-from zerojax.analysis.accounting import (
-    ADAM_BYTES,
-    MASTER_BYTES,
-    STAGES,
-    EstimateError,
-    comm_estimate,
-    estimate,
-    estimate_table,
-    format_bytes,
-)
 from zerojax.analysis.console import (
     Parser,
     Progress,
@@ -33,95 +25,8 @@ from zerojax.analysis.console import (
     stages_arg,
 )
 from zerojax.analysis.planning import LR, named_optimizer
-from zerojax.collectives.quantize import bytes_per_element
-from zerojax.config import OFFLOADS, QUANT_BLOCK
+from zerojax.config import OFFLOADS
 from zerojax.update.presets import OPTIMIZERS
-
-
-def estimate_main(argv: list[str]) -> int:
-    """`python -m zerojax estimate --params 7.5e9 --devices 64 [--json]`."""
-    p = Parser(prog="zerojax estimate", description="ZeRO paper memory/comm per device")
-    p.add_argument("--params", type=float, required=True, help="parameter count Ψ, e.g. 7.5e9")
-    p.add_argument("--devices", type=positive_arg, required=True, help="data-parallel devices N")
-    p.add_argument("--replica", type=positive_arg, default=1, help="replica groups (hybrid)")
-    p.add_argument("--param-bytes", type=float, default=2, help="bytes per compute param")
-    p.add_argument("--grad-bytes", type=float, default=2, help="bytes per gradient element")
-    p.add_argument("--optimizer-bytes", type=float, default=None,
-                   help="K: fp32 master + Adam moments per param (default: 12); given, it wins "
-                        "over --optimizer")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="K = 4 (fp32 master) + the state this optimizer's init allocates on the "
-                        "GPT shape nearest --params (zerojax.analysis.largest.gpt_family); "
-                        "hyperparameters as in zerojax train --help")
-    p.add_argument("--reduce-bytes", type=float, default=None,
-                   help="bytes per reduced gradient element (default: --grad-bytes)")
-    p.add_argument("--offload", choices=OFFLOADS, default=None,
-                   help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
-                        "the baseline); adds host and host<->device columns")
-    p.add_argument("--quantize-weights", choices=("int8",), default=None,
-                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
-    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
-                   help="ZeRO++ qgZ: quantized gradient reductions")
-    p.add_argument("--hpz", action="store_true",
-                   help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
-                        "sharded within each replica")
-    p.add_argument("--json", action="store_true", help="JSON instead of a table")
-    a = p.parse_args(argv)
-    if a.hpz and a.replica < 2:
-        p.error("--hpz needs --replica R > 1: hpZ shards its secondary copy within a replica")
-    psi = int(a.params) if a.params == int(a.params) else a.params
-    k, source = _optimizer_bytes(p, a)
-    mem_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
-                  optimizer_bytes=k, replica=a.replica)
-    comm_kw = dict(param_bytes=a.param_bytes, grad_bytes=a.grad_bytes,
-                   reduce_bytes=a.reduce_bytes, replica=a.replica)
-    try:
-        rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes,
-                              offload=a.offload, quantize_weights=a.quantize_weights,
-                              quantize_grads=a.quantize_grads, hpz=a.hpz)
-        qw = bytes_per_element(a.quantize_weights, QUANT_BLOCK) if a.quantize_weights else None
-        out = [{"stage": s, "offload": a.offload if s else None,
-                "memory": estimate(psi, a.devices, s, **mem_kw,
-                                   offload=a.offload if s else None, hpz=a.hpz and s == 3,
-                                   secondary_bytes=qw).as_dict(),
-                "comm": comm_estimate(psi, a.devices, s, **comm_kw,
-                                      quantize_weights=a.quantize_weights if s else None,
-                                      quantize_grads=a.quantize_grads,
-                                      hpz=a.hpz and s == 3).as_dict()} for s in STAGES]
-    except EstimateError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
-    if a.json:
-        print(json.dumps({"params": psi, "devices": a.devices, "optimizer": a.optimizer,
-                          "optimizer_bytes": k, "optimizer_bytes_from": source, "stages": out},
-                         indent=1))
-    else:
-        title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
-        if a.offload:
-            title += "; total: device bytes, host: master + optimizer state in host memory"
-        print_table(title, rows)
-        if a.optimizer or a.optimizer_bytes is not None:
-            print(f"note: K = {k:.4g} bytes per param: {source}")
-    return 0
-
-
-def _optimizer_bytes(p: Parser, a) -> tuple[float, str]:
-    """`estimate`'s K and where it comes from: --optimizer-bytes, else --optimizer's init on the
-    GPT shape nearest --params, else Adam's 12."""
-    if a.optimizer_bytes is not None:
-        return a.optimizer_bytes, "--optimizer-bytes"
-    if a.optimizer is None:
-        return MASTER_BYTES + ADAM_BYTES, "fp32 master + Adam moments"
-    if not a.params > 0:
-        p.error(f"--params {a.params:g}: --optimizer reads K from a GPT shape of about that "
-                f"many params; give a positive count")
-    from zerojax.analysis.largest import nearest_shape, state_per_param
-    from zerojax.models.gpt import GPT
-
-    name, cfg = nearest_shape(a.params)
-    k = state_per_param(named_optimizer(a.optimizer), cfg)
-    return MASTER_BYTES + k, (f"fp32 master 4 + {a.optimizer} state {k:.4g} read from its init "
-                              f"on {name} ({GPT(cfg).num_params() / 1e9:.3g}B params), the "
-                              f"GPT shape nearest Ψ")
 
 
 def _start_devices(p: Parser, devices: int) -> None:
@@ -137,25 +42,103 @@ def _start_devices(p: Parser, devices: int) -> None:
                   f"--devices {devices} could be set; run it in a fresh process\n")
 
 
-def _gpt_and_batch(preset: str, batch: int):
+def _gpt_and_batch(cfg, batch: int):
+    """The GPT of `cfg` (a `GPTConfig`, or a preset's name) and an abstract batch of `batch`
+    sequences of its context length."""
     import jax
     import jax.numpy as jnp
 
     from zerojax.models.gpt import GPT
 
-    model = GPT.from_preset(preset)
+    model = GPT.from_preset(cfg) if isinstance(cfg, str) else GPT(cfg)
     shape = (batch, model.cfg.seq_len)
     return model, {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("inputs", "targets")}
 
 
-def _model_args(p: Parser, model_required: bool = True) -> None:
+SHAPE_FLAGS = {"layers": "n_layers", "d_model": "d_model", "heads": "n_heads",
+               "vocab": "vocab_size", "seq_len": "seq_len", "d_ff": "d_ff"}
+
+
+def _shape_args(p: Parser, what: str = "GPT preset") -> None:
+    """--model PRESET, or any GPT shape: --layers --d-model --heads --vocab --seq-len --d-ff
+    (over the preset's, or alone), or --params (the nearest shape of largest.gpt_family)."""
     from zerojax.models.gpt import PRESETS
 
-    p.add_argument("--model", required=model_required, choices=sorted(PRESETS),
-                   help="GPT preset" + ("" if model_required else " (required unless --largest)"))
-    p.add_argument("--devices", type=positive_arg, required=True, help="data-parallel devices")
+    p.add_argument("--model", choices=sorted(PRESETS), default=None, help=what)
+    g = p.add_argument_group("any GPT shape (instead of or over --model)")
+    g.add_argument("--layers", type=positive_arg, default=None, help="layers L")
+    g.add_argument("--d-model", type=positive_arg, default=None, help="width d")
+    g.add_argument("--heads", type=positive_arg, default=None,
+                   help="attention heads (default: d/64, at least 1)")
+    g.add_argument("--vocab", type=positive_arg, default=None,
+                   help="vocabulary (default: the preset's, else 32000)")
+    g.add_argument("--seq-len", type=positive_arg, default=None,
+                   help="context length T (default: the preset's, else 2048)")
+    g.add_argument("--d-ff", type=positive_arg, default=None, help="MLP width (default: 4d)")
+
+
+def _shape_given(a) -> bool:
+    return any(getattr(a, k, None) is not None for k in SHAPE_FLAGS)
+
+
+def model_config(p: Parser, a, params_flag: bool = True):
+    """`(name, GPTConfig)` from --model and the shape flags (or --params, where `params_flag`),
+    or `(None, None)` where none is given; a bad shape exits 2 with one line."""
+    import dataclasses
+
+    from zerojax.models.gpt import PRESETS, GPTConfig
+
+    params = getattr(a, "params", None) if params_flag else None
+    if params is not None and (a.model or _shape_given(a)):
+        p.error("--params chooses the nearest GPT shape itself; drop --model and the shape "
+                "flags, or --params")
+    if params is not None:
+        if not params > 0:
+            p.error(f"--params {params:g}: give a positive parameter count, e.g. 1.3e9")
+        from zerojax.analysis.largest import gpt_family, nearest_shape
+        from zerojax.models.gpt import GPT
+
+        name, cfg = nearest_shape(params, gpt_family(a.vocab or 32000, a.seq_len or 2048))
+        return f"{name} ({GPT(cfg).num_params() / 1e9:.3g}B params, the shape nearest " \
+               f"--params {params:g})", cfg
+    given = {f: getattr(a, k) for k, f in SHAPE_FLAGS.items() if getattr(a, k) is not None}
+    if a.model is None and not given:
+        return None, None
+    if a.model is None and not {"n_layers", "d_model"} <= set(given):
+        p.error("a GPT shape needs --layers and --d-model (the rest have defaults), or a "
+                "--model preset to change")
+    if a.model is not None:
+        base = dataclasses.asdict(PRESETS[a.model])
+        if "d_model" in given and "d_ff" not in given:
+            base["d_ff"] = 4 * given["d_model"]
+        if "d_model" in given and "n_heads" not in given:
+            base["n_heads"] = max(1, given["d_model"] // 64)
+    else:
+        d = given["d_model"]
+        base = {"vocab_size": 32000, "seq_len": 2048, "n_heads": max(1, d // 64),
+                "d_ff": 4 * d}
+    try:
+        cfg = GPTConfig(**{**base, **given})
+    except ValueError as e:
+        p.error(f"{e}; choose --heads that divides --d-model")
+    flags = " ".join(f"--{k.replace('_', '-')} {getattr(a, k)}" for k in SHAPE_FLAGS
+                     if getattr(a, k) is not None)
+    name = a.model if not flags else (f"{a.model} with {flags}" if a.model else
+                                      f"GPT ({cfg.n_layers} layers, d={cfg.d_model})")
+    return name, cfg
+
+
+def _model_args(p: Parser, model_required: bool = True) -> None:
+    _shape_args(p, "GPT preset" + (" (or a shape below, or --params)" if model_required else
+                                   " (or a shape below, or --params; or --largest)"))
+    p.add_argument("--params", type=float, default=None,
+                   help="instead of a shape: the GPT shape of about this many params nearest "
+                        "in largest.gpt_family (e.g. 1.3e9)")
+    p.add_argument("--devices", type=positive_arg, required=True,
+                   help="devices in all (replica x data x model)")
     p.add_argument("--batch", type=positive_arg, default=None,
-                   help="global batch in sequences (default: devices x the largest grad_accum)")
+                   help="global batch in sequences (default: data-parallel devices x the "
+                        "largest grad_accum)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="compute dtype of params and gradients (master and moments: float32)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
@@ -164,22 +147,25 @@ def _model_args(p: Parser, model_required: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
 
 
-def _assumptions(a, model, batch, **extra: str) -> dict[str, str]:
-    """What a measure/plan run assumes, to print before it starts and to keep in its JSON."""
+def _assumptions(a, name: str, model, batch, groups: int | None = None,
+                 **extra: str) -> dict[str, str]:
+    """What a measure/plan run assumes, to print before it starts and to keep in its JSON;
+    `groups`: the data-parallel devices the batch is split over (default: every device)."""
     import jax
 
     c, dtype = model.cfg, a.param_dtype
-    b = batch["inputs"].shape[0]
+    b, n = batch["inputs"].shape[0], groups or a.devices
     accum = a.grad_accum if isinstance(a.grad_accum, tuple) else (a.grad_accum,)
-    micro = ", ".join(f"{b // a.devices // k}" for k in accum if b % (a.devices * k) == 0)
+    micro = ", ".join(f"{b // n // k}" for k in accum if b % (n * k) == 0)
+    per = f"{b // n} per data-parallel device" if n != a.devices else f"{b // n} per device"
     master = ("the float32 params themselves in stages 0 and 3; a float32 shard next to the "
               "replicated params in stages 1-2") if dtype == "float32" else "float32"
     return {
-        "model": f"{a.model}: {model.num_params():,} params ({c.n_layers} layers, d={c.d_model}, "
-                 f"vocab {c.vocab_size})",
+        "model": f"{name}: {model.num_params():,} params ({c.n_layers} layers, d={c.d_model}, "
+                 f"{c.n_heads} heads, d_ff {c.d_ff}, vocab {c.vocab_size})",
         "devices": f"{a.devices} {jax.devices()[0].platform} devices (the step is compiled "
                    f"for abstract inputs: nothing is allocated)",
-        "global batch": f"{b} sequences x {c.seq_len} tokens ({b // a.devices} per device); "
+        "global batch": f"{b} sequences x {c.seq_len} tokens ({per}); "
                         f"per-device micro-batch {micro or '-'} for grad_accum "
                         f"{', '.join(map(str, accum))}",
         "sequence length": str(c.seq_len),
@@ -228,12 +214,23 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--replica", type=positive_arg, default=1,
                    help="the make_mesh(replica=R, data=devices/R) mesh; the table splits the "
                         "bytes sent over data and over replica")
+    p.add_argument("--model-parallel", type=positive_arg, default=1,
+                   help="M: a tensor-parallel model axis, mesh replica x data x model (M "
+                        "innermost); the table adds the bytes sent over model and their formula")
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, --replica > 1): backward gathers within data")
     a = p.parse_args(argv)
+    name, shape = model_config(p, a)
+    if shape is None:
+        p.error("the following arguments are required: --model (or a shape: --layers "
+                "--d-model ..., or --params)")
+    m = a.model_parallel
     if a.devices % a.replica:
         p.error(f"--devices {a.devices} do not split into --replica {a.replica} groups; give "
                 f"a --replica that divides --devices")
+    if a.devices % (a.replica * m):
+        p.error(f"--devices {a.devices} do not split into --replica {a.replica} x data x "
+                f"--model-parallel {m}; give sizes whose product divides --devices")
     if a.hpz and (a.stage != (3,) or a.replica < 2):
         p.error(f"--hpz needs --stage 3 and --replica R > 1 (got --stage "
                 f"{','.join(map(str, a.stage))}, --replica {a.replica})")
@@ -244,33 +241,36 @@ def measure_main(argv: list[str]) -> int:
                 f"params); drop stage 0 (e.g. --stage 1,2,3)")
     quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads}
     _start_devices(p, a.devices)
-    from zerojax.analysis.measurement import lower, measure_lowered
+    from zerojax.analysis.measure_report import row, title
+    from zerojax.analysis.measurement import activations_of, lower, measure_lowered
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.errors import ZeroError
     from zerojax.mesh import make_mesh
 
-    model, batch = _gpt_and_batch(a.model, a.batch or a.devices * a.grad_accum)
-    facts = _assumptions(a, model, batch, measured=(
+    data = a.devices // (a.replica * m)
+    model, batch = _gpt_and_batch(shape, a.batch or a.replica * data * a.grad_accum)
+    mesh_words = ", mesh " + " x ".join(f"{k} {v}" for k, v in (
+        ("replica", a.replica), ("data", data), ("model", m)) if v > 1 or k == "data")
+    facts = _assumptions(a, name, model, batch, a.replica * data, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
         f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")
         + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items() if v)
-        + (", hpZ" if a.hpz else "")
-        + (f", mesh replica {a.replica} x data {a.devices // a.replica}" if a.replica > 1
-           else "")))
-    print_assumptions(f"zerojax measure: {a.model} on {a.devices} devices", facts)
+        + (", hpZ" if a.hpz else "") + (mesh_words if a.replica > 1 or m > 1 else "")))
+    print_assumptions(f"zerojax measure: {name} on {a.devices} devices", facts)
     results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
                          grad_accum=a.grad_accum, offload=a.offload, hpz=a.hpz, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
-            mesh = make_mesh(replica=a.replica, data=a.devices // a.replica)
+            mesh = make_mesh(replica=a.replica, data=data, model=m)
             engine = Engine(model, named_optimizer(a.optimizer), mesh, cfg)
             progress(label, "lowering", i)
             lowered = lower(engine, batch)
             progress(label, "compiling", i)
-            results.append(measure_lowered(engine, lowered))
+            results.append(dataclasses.replace(measure_lowered(engine, lowered),
+                                               activations=activations_of(engine, batch)))
             progress(label, "done", i)
         except ZeroError as e:
             progress.close()
@@ -278,49 +278,14 @@ def measure_main(argv: list[str]) -> int:
     progress.close()
     if a.json:
         out = []
-        for m in results:
-            mem, comm = m.estimates()
-            out.append({**m.as_dict(), "estimate": {"memory": mem.as_dict(),
+        for r in results:
+            mem, comm = r.estimates()
+            out.append({**r.as_dict(), "estimate": {"memory": mem.as_dict(),
                                                     "comm": comm.as_dict()}})
-        print(json.dumps({"model": a.model, "devices": a.devices, "memory": a.memory,
+        print(json.dumps({"model": name, "devices": a.devices, "memory": a.memory,
                           "optimizer": a.optimizer, "assumptions": facts,
                           "measurements": out}, indent=1))
         return 0
-    rows = []
-    for m in results:
-        mem, comm = m.estimates()
-        row = {"stage": m.stage, "state": format_bytes(m.state["total"]),
-               "state formula": format_bytes(mem.state + mem.host),
-               "master+opt": format_bytes(m.state["master"] + m.state["optimizer"]),
-               "master+opt formula": format_bytes(mem.optimizer + mem.host),
-               "temp": format_bytes(m.temp_bytes), "peak": format_bytes(m.peak_bytes),
-               "sent": format_bytes(m.collective_bytes["total"]),
-               "sent formula": format_bytes(comm.total),
-               "sent compiled": format_bytes(m.collective_bytes_compiled["total"])}
-        if a.offload:
-            row.update({"device state": format_bytes(m.state["device"]),
-                        "host state": format_bytes(m.state["host"]),
-                        "host formula": format_bytes(mem.host),
-                        "device peak": format_bytes(m.device_peak_bytes), "split": m.split})
-        if a.quantize_weights or a.quantize_grads:  # the float32 block scales within "sent"
-            row["of which scales"] = format_bytes(sum(
-                by.get("f32", 0.0) for kind, by in m.collective_dtype_bytes.items()
-                if kind in ("all_gather", "all_to_all")))
-        if a.replica > 1:  # what each link carries (across both: a collective over all)
-            row.update({f"over {axis}": format_bytes(m.collective_axis_bytes.get(axis, 0.0))
-                        for axis in ("data", "replica", "all")})
-        if a.memory:
-            row["fits"] = "yes" if m.device_peak_bytes <= a.memory else "no"
-        rows.append(row)
-    n = results[0].num_params if results else 0
-    print_table(f"{a.model} ({n:,} params), {a.devices} devices, {a.optimizer}, per device; "
-                f"master+opt: the fp32 master and the optimizer state; state formula "
-                 f"excludes grads (they live in temp; so does hpZ's secondary copy); sent: "
-                 f"bytes per step in "
-                 f"{a.param_dtype}"
-                 + (" (quantized collectives: their integer values + float32 scales)"
-                    if a.quantize_weights or a.quantize_grads else "")
-                 + ", compiled: as this backend sends them"
-                 + ("; split: device/host peak measured by the compiler or derived from the "
-                    "state's memory kinds" if a.offload else ""), rows)
+    print_table(title(results[0], name, a.optimizer),
+                [row(r, memory=a.memory) for r in results])
     return 0

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from zerojax.analysis.accounting import STAGES
+from zerojax.analysis.tables import table
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,15 +73,9 @@ def stages_arg(text: str) -> tuple[int, ...]:
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=title)
-    for key in rows[0] if rows else []:
-        table.add_column(key, justify="left" if key in ("reason", "config") else "right")
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
     # Piped output keeps a row on one line (a terminal's width wraps it).
-    Console(width=None if sys.stdout.isatty() else 1_000).print(table)
+    Console(width=None if sys.stdout.isatty() else 1_000).print(table(title, rows))
 
 
 def print_assumptions(title: str, facts: dict[str, str]) -> None:

@@ -84,29 +84,35 @@ def _groups(attrs: str, devices: int) -> list[list[int]]:
     return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
 
 
-def mesh_axis(groups: list[list[int]], replica: int, data: int) -> str:
-    """Which axes of a `replica × data` mesh (devices numbered row-major) a collective's groups
-    span: "data", "replica", "all", "none" (groups of one) or "other"."""
-    sets = [set(g) for g in groups]
+def mesh_axis(groups: list[list[int]], replica: int, data: int, model: int = 1) -> str:
+    """Which axes of a `replica × data × model` mesh (devices numbered row-major, `model`
+    innermost) a collective's groups span: "data", "replica", "model", "all", "none" (groups of
+    one) or "other" (any other grouping, e.g. data and model together)."""
+    sets = {frozenset(g) for g in groups}
     if all(len(g) == 1 for g in sets):
         return "none"
-    rows = {frozenset(range(r * data, (r + 1) * data)) for r in range(replica)}
-    cols = {frozenset(range(d, replica * data, data)) for d in range(data)}
-    if all(frozenset(g) in rows for g in sets):
-        return "data"
-    if all(frozenset(g) in cols for g in sets):
-        return "replica"
-    if sets == [set(range(replica * data))]:
+    ids = list(range(replica * data * model))
+
+    def along(stride: int, size: int) -> set[frozenset]:
+        # The groups of one axis: `size` devices `stride` apart, one group per other index.
+        starts = [i for i in ids if (i // stride) % size == 0]
+        return {frozenset(range(s, s + stride * size, stride)) for s in starts}
+
+    for axis, stride, size in (("model", 1, model), ("data", model, data),
+                               ("replica", data * model, replica)):
+        if size > 1 and sets <= along(stride, size):
+            return axis
+    if sets == {frozenset(ids)}:
         return "all"
     return "other"
 
 
-def axis_bytes(sites: list[dict], replica: int, data: int) -> dict[str, float]:
+def axis_bytes(sites: list[dict], replica: int, data: int, model: int = 1) -> dict[str, float]:
     """Bytes one device sends per step of `collective_sites`, by the mesh axes they span
-    (`mesh_axis`: "data", "replica", "all", "other"; groups of one device send nothing)."""
+    (`mesh_axis`: "data", "replica", "model", "all", "other"; groups of one send nothing)."""
     out: dict[str, float] = {}
     for site in sites:
-        axis = mesh_axis(site["groups"], replica, data)
+        axis = mesh_axis(site["groups"], replica, data, model)
         if axis != "none":
             out[axis] = out.get(axis, 0.0) + site["sent"]
     return out
@@ -149,10 +155,12 @@ def _trip_count(attrs: str, comps) -> int | None:
     return consts[0] if lt and len(consts) == 1 else None
 
 
-def _multiplicity(comps, entry) -> tuple[dict[str, int], dict[str, bool], int]:
+def _multiplicity(comps, entry
+                  ) -> tuple[dict[str, int], dict[str, bool], dict[str, bool], int]:
     """How often each computation runs per execution of the module (the sum over call paths
-    from the entry of the loops' trip counts), whether it runs inside a while loop, and the
-    count of loops whose trip count is unknown (counted once)."""
+    from the entry of the loops' trip counts), whether it runs inside a while loop, whether
+    inside a loop whose body computes matrix products (a layer scan, not a loop of
+    collectives), and the count of loops whose trip count is unknown (counted once)."""
     calls: dict[str, list[tuple[str, int, bool]]] = {name: [] for name in comps}
     unknown = 0
     for name, instrs in comps.items():
@@ -178,14 +186,20 @@ def _multiplicity(comps, entry) -> tuple[dict[str, int], dict[str, bool], int]:
             order.append(c)
 
     visit(entry)
+    dots = {}
+    for c in order:  # callees before callers
+        dots[c] = any(op in ("dot", "convolution") for op, _, _ in comps[c]) \
+            or any(dots[callee] for callee, _, _ in calls[c])
     mult = dict.fromkeys(comps, 0)
     mult[entry] = 1
     in_loop = dict.fromkeys(comps, False)
+    computing = dict.fromkeys(comps, False)
     for c in reversed(order):  # callers before callees: the calls form a DAG
         for callee, factor, loop in calls[c]:
             mult[callee] += mult[c] * factor
             in_loop[callee] |= in_loop[c] or loop
-    return mult, in_loop, unknown
+            computing[callee] |= computing[c] or (loop and dots[callee])
+    return mult, in_loop, computing, unknown
 
 
 def matmul_flops(hlo_text: str) -> tuple[float, int]:
@@ -198,7 +212,7 @@ def matmul_flops(hlo_text: str) -> tuple[float, int]:
     """
     types: dict[str, str] = {}
     comps, entry = _parse_hlo(hlo_text, types)
-    mult, _, unknown = _multiplicity(comps, entry)
+    mult, _, _, unknown = _multiplicity(comps, entry)
     total = 0.0
     for name, instrs in comps.items():
         for op, typ, attrs in instrs:
@@ -280,10 +294,12 @@ def by_dtype(sites: list[dict]) -> dict[str, dict[str, float]]:
 
 def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
     """Every collective of an HLO module: its kind, opcode, bytes sent per step (`sent`, and
-    `by_dtype`), `launches` per step, device `groups`, and whether it runs inside a while loop
-    (`in_loop`); and the count of loops whose trip count is unknown (counted once)."""
+    `by_dtype`), `launches` per step, device `groups`, whether it runs inside a while loop
+    (`in_loop`), inside a loop that also computes matrix products (`beside_compute`: it can
+    overlap the loop's other iterations' compute), and whether its reducer was widened by the
+    backend (`promoted`); and the count of loops whose trip count is unknown (counted once)."""
     comps, entry = _parse_hlo(hlo_text)
-    mult, in_loop, unknown = _multiplicity(comps, entry)
+    mult, in_loop, computing, unknown = _multiplicity(comps, entry)
     sites = []
     for name, instrs in comps.items():
         for op, typ, attrs in instrs:
@@ -305,7 +321,24 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
             by_dtype: dict[str, float] = {}
             for dt, size in shapes:
                 by_dtype[dt] = by_dtype.get(dt, 0.0) + mult[name] * ratio * share * size
+            reducer = re.search(r"to_apply=%?([\w.\-]+)", attrs)
             sites.append({"kind": kind, "op": op, "sent": sum(by_dtype.values()),
                           "by_dtype": by_dtype, "launches": mult[name],
-                          "groups": _groups(attrs, devices), "in_loop": in_loop[name]})
+                          "groups": _groups(attrs, devices), "in_loop": in_loop[name],
+                          "beside_compute": computing[name],
+                          "promoted": bool(reducer and reducer.group(1).endswith("_promoted"))})
     return sites, unknown
+
+
+def as_requested(sites: list[dict], width: float, name: str) -> list[dict]:
+    """Sites of a compiled program with the reductions the backend widened counted at the
+    `width` bytes (dtype `name`, e.g. 2, "bf16") the program asked for: XLA:CPU computes a
+    bf16/f16 all-reduce in f32 and marks its reducer `..._promoted`."""
+    out = []
+    for site in sites:
+        if site["promoted"] and "f32" in site["by_dtype"] and width < 4:
+            by = dict(site["by_dtype"])
+            by[name] = by.get(name, 0.0) + by.pop("f32") * width / 4
+            site = {**site, "by_dtype": by, "sent": sum(by.values())}
+        out.append(site)
+    return out

@@ -46,13 +46,14 @@ def gpt_family(vocab_size: int = 32000, seq_len: int = 2048) -> dict[str, Any]:
     return dict(sorted(shapes.items(), key=lambda kv: GPT(kv[1]).num_params()))
 
 
-def nearest_shape(num_params: float) -> tuple[str, Any]:
-    """The shape of `gpt_family()` whose parameter count is nearest `num_params` (by ratio)."""
+def nearest_shape(num_params: float, family: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """The shape of `family` (default `gpt_family()`) whose parameter count is nearest
+    `num_params` (by ratio)."""
     import math
 
     from zerojax.models.gpt import GPT
 
-    return min(gpt_family().items(),
+    return min((gpt_family() if family is None else family).items(),
                key=lambda kv: abs(math.log(GPT(kv[1]).num_params() / num_params)))
 
 
@@ -80,24 +81,29 @@ def _itemsize(param_dtype: str) -> int:
 
 
 def activation_bytes(cfg, batch_per_device: int, param_dtype: str = "bfloat16",
-                     remat: bool = True) -> dict[str, float]:
+                     remat: bool = True, model: int = 1) -> dict[str, float]:
     """Estimated per-device activation bytes of one GPT training step, by part.
 
     One layer's activations: Korthikanti et al. 2022's `b·T·d·(34 + 5·a·T/d)` bytes for 2-byte
-    values (scaled to `param_dtype`). It counts the T×T attention scores, which XLA's attention
-    keeps and cuDNN's flash attention does not, and dropout masks GPT does not have: an upper
-    bound. With remat every layer keeps only its input and one layer is recomputed at a time;
-    without, every layer keeps all of its activations. The head adds the logits in compute
-    dtype and their float32 log-softmax and gradient.
+    values (scaled to `param_dtype`); over a `model` axis of M devices (tensor parallelism,
+    their eq. 2) `b·T·d·(10 + 24/M + 5·a·T/(d·M))`: the attention and MLP insides are split,
+    the LayerNorms' and residuals' inputs are not. It counts the T×T attention scores, which
+    XLA's attention keeps and cuDNN's flash attention does not, and dropout masks GPT does not
+    have: an upper bound. With remat every layer keeps only its input (not split) and one layer
+    is recomputed at a time; without, every layer keeps all of its activations. The head adds
+    the logits in compute dtype and their float32 log-softmax and gradient (split over the
+    vocabulary). `batch_per_device` is the sequences of one data-parallel device.
     """
     size = _itemsize(param_dtype)
     if isinstance(batch_per_device, bool) or not isinstance(batch_per_device, int) \
             or batch_per_device < 1:
         raise EstimateError(f"batch_per_device={batch_per_device!r} must be an integer >= 1")
-    b, T, d, L = batch_per_device, cfg.seq_len, cfg.d_model, cfg.n_layers
-    layer = b * T * d * (34 + 5 * cfg.n_heads * T / d) * size / 2
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise EstimateError(f"model={model!r} must be an integer >= 1")
+    b, T, d, L, M = batch_per_device, cfg.seq_len, cfg.d_model, cfg.n_layers, model
+    layer = b * T * d * (10 + 24 / M + 5 * cfg.n_heads * T / (d * M)) * size / 2
     layers = L * b * T * d * size + layer if remat else L * layer
-    logits = b * T * cfg.vocab_size * (size + 8)
+    logits = b * T * cfg.vocab_size / M * (size + 8)
     return {"layers": layers, "logits": logits, "total": layers + logits}
 
 

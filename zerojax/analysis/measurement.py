@@ -19,7 +19,16 @@ from zerojax.analysis.accounting import (
     comm_estimate,
     state_estimate,
 )
-from zerojax.analysis.hlo import axis_bytes, by_dtype, by_kind, collective_bytes, collective_sites
+from zerojax.analysis.hlo import (
+    as_requested,
+    axis_bytes,
+    by_dtype,
+    by_kind,
+    collective_bytes,
+    collective_sites,
+    mesh_axis,
+)
+from zerojax.analysis.tensor import Activations
 from zerojax.config import QUANT_BLOCK
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
@@ -74,26 +83,45 @@ class Measurement:
     quant_block: int = QUANT_BLOCK
     hpz: bool = False
     collective_dtype_bytes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    # The requested bytes by the mesh axes a collective spans ("data", "replica", "all"):
-    # what `plan` weighs by each link's bandwidth.
+    # The requested bytes by the mesh axes a collective spans ("data", "replica", "model",
+    # "all"): what `plan` weighs by each link's bandwidth.
     collective_axis_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The tensor-parallel `model` axis: its devices M, and the params split over it.
+    model: int = 1
+    split_params: int = 0
+    # The part of `collective_axis_bytes` sent inside loops that also compute (the layer
+    # scans): collectives that can run while the loop's other iterations compute.
+    collective_overlap_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    # What Megatron's all-reduces move (a GPT's layers and width, the tokens of a data group),
+    # for the model axis's formula; None where `measure` could not tell.
+    activations: Activations | None = None
 
-    def estimates(self) -> tuple[MemoryEstimate, CommEstimate]:
+    def estimates(self, activations: Activations | None = None
+                  ) -> tuple[MemoryEstimate, CommEstimate]:
         """The analytic `state_estimate` (with the engine's optimizer state) and
-        `comm_estimate` for this configuration."""
+        `comm_estimate` for this configuration; the model axis's bytes from `activations`
+        (default: the measurement's own)."""
+        activations = activations or self.activations
         kw = {"replica": self.replica, "hpz": self.hpz, "quant_block": self.quant_block,
-              "quantize_weights": self.quantize_weights}
-        devices = self.devices * self.replica
+              "quantize_weights": self.quantize_weights, "model": self.model,
+              "split_params": self.split_params}
+        devices = self.devices * self.replica * self.model
         mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
                              offload=self.offload, quantize_grads=self.quantize_grads,
                              optimizer_state_bytes=self.optimizer_state_bytes, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes,
-                             quantize_grads=self.quantize_grads, **kw)
+                             quantize_grads=self.quantize_grads, activations=activations, **kw)
         return mem, comm
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        """The `zerojax measure` table with this measurement's row."""
+        from zerojax.analysis.measure_report import report
+
+        return report(self)
 
 
 def state_bytes(engine, batch=None) -> dict[str, int]:
@@ -133,17 +161,31 @@ def measure(engine, batch) -> Measurement:
     `batch`: the global batch as arrays or `jax.ShapeDtypeStruct`s. The engine learns its
     units from it if it has not been initialized.
     """
-    return measure_lowered(engine, lower(engine, batch))
+    m = measure_lowered(engine, lower(engine, batch))
+    return dataclasses.replace(m, activations=activations_of(engine, batch))
+
+
+def activations_of(engine, batch) -> Activations | None:
+    """What Megatron's all-reduces move in `engine`'s step on `batch`, for a model with a
+    GPT-like `cfg` (`n_layers`, `d_model`) and a batch of `inputs` [B, T]; else None."""
+    cfg = getattr(engine.model, "cfg", None)
+    inputs = batch.get("inputs") if isinstance(batch, dict) else None
+    if not hasattr(cfg, "n_layers") or not hasattr(cfg, "d_model") or inputs is None \
+            or len(jnp.shape(inputs)) != 2:
+        return None
+    b, t = jnp.shape(inputs)
+    return Activations.of(cfg, b * t, engine.replica * engine.data, engine.config.remat)
 
 
 def measure_lowered(engine, lowered) -> Measurement:
     """`measure` for a step already lowered with `lower(engine, batch)`."""
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
-    n_all = engine.replica * engine.data
+    r, d, m = engine.replica, engine.data, engine.model_parallel
     cfg = engine.config
-    text = lowered.compiler_ir("hlo").as_hlo_text()
-    sites, unknown = collective_sites(text, n_all)  # the program read once
+    text, compiled_text = lowered.compiler_ir("hlo").as_hlo_text(), compiled.as_text()
+    sites, unknown = collective_sites(text, r * d * m)  # the program read once
+    sites += model_sites(compiled_text, engine)
     requested, launches = by_kind(sites)
     state = state_bytes(engine)
     peak, host_peak, device_peak, split = peaks(mem, state["host"])
@@ -162,7 +204,7 @@ def measure_lowered(engine, lowered) -> Measurement:
         peak_bytes=peak,
         state=state,
         collective_bytes=requested,
-        collective_bytes_compiled=collective_bytes(compiled.as_text(), n_all),
+        collective_bytes_compiled=collective_bytes(compiled_text, r * d * m),
         collective_launches=launches,
         unknown_loops=unknown,
         offload=cfg.offload,
@@ -175,8 +217,27 @@ def measure_lowered(engine, lowered) -> Measurement:
         quant_block=cfg.quant_block,
         hpz=cfg.hpz,
         collective_dtype_bytes=by_dtype(sites),
-        collective_axis_bytes=axis_bytes(sites, engine.replica, engine.data),
+        collective_axis_bytes=axis_bytes(sites, r, d, m),
+        model=m,
+        split_params=sum(leaf.size * (leaf.shape[0] if leaf.stacked else 1)
+                         for leaf in engine.layout.leaves if leaf.is_split),
+        collective_overlap_bytes=axis_bytes([s for s in sites if s["beside_compute"]], r, d,
+                                            m),
     )
+
+
+def model_sites(compiled_text: str, engine) -> list[dict]:
+    """The collectives over the `model` axis of a compiled step, in the dtype the program asks
+    for (`hlo.as_requested`): XLA partitions the layers over `model` when it compiles, so
+    Megatron's all-reduces are in the compiled program only (the lowered one holds ZeRO's)."""
+    r, d, m = engine.replica, engine.data, engine.model_parallel
+    if m == 1:
+        return []
+    dtype = jnp.dtype(DTYPES[engine.config.param_dtype])
+    name = {"bfloat16": "bf16", "float16": "f16"}.get(dtype.name, "f32")
+    sites, _ = collective_sites(compiled_text, r * d * m)
+    return [s for s in as_requested(sites, dtype.itemsize, name)
+            if mesh_axis(s["groups"], r, d, m) == "model"]
 
 
 def optimizer_state_size(engine) -> StateSize:

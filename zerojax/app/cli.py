@@ -10,7 +10,8 @@ import sys
 COMMANDS = {
     "train": ("zerojax.app.train", "main", "train a GPT preset on the embedded corpus or a file"),
     "sample": ("zerojax.app.sample", "sample_main", "generate text from a trained checkpoint"),
-    "estimate": ("zerojax.analysis.commands", "estimate_main", "ZeRO paper memory/comm per device"),
+    "estimate": ("zerojax.analysis.estimate_command", "estimate_main",
+                 "ZeRO paper memory/comm per device, for Ψ or any GPT shape"),
     "measure": ("zerojax.analysis.commands", "measure_main",
                 "memory/comm measured from compiled steps"),
     "plan": ("zerojax.analysis.plan_command", "plan_main", "the cheapest configuration that fits"),

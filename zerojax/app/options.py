@@ -46,6 +46,10 @@ class TrainConfig:
     """Devices per process: simulated on CPU (default 4); on GPU the first N (default all)."""
     replica: int = 1
     """Replica groups for hybrid sharding: state sharded within a group, replicated across."""
+    model_parallel: int = 1
+    """M: tensor parallelism over a model axis of M neighbouring devices (mesh replica × data ×
+    model): each layer's matmuls, the embedding and the head split as Megatron does, ZeRO over
+    the data axis of devices / (replica × M); must divide the preset's heads."""
     steps: int = 200
     """Total optimizer steps (a resumed run continues up to this step)."""
     batch: int = 16
@@ -188,9 +192,9 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 # Integer options and their lowest value; all stay below INT_LIMIT (the step counter is int32)
 # except the seed, which jax.random.key takes as int64.
-_INTS = {"steps": 1, "batch": 1, "replica": 1, "grad_accum": 1, "eval_batches": 1, "devices": 1,
-         "seq_len": 1, "save_every": 0, "eval_every": 0, "warmup": 0, "seed": 0,
-         "resume_step": 1, "num_processes": 1, "process_id": 0}
+_INTS = {"steps": 1, "batch": 1, "replica": 1, "model_parallel": 1, "grad_accum": 1,
+         "eval_batches": 1, "devices": 1, "seq_len": 1, "save_every": 0, "eval_every": 0,
+         "warmup": 0, "seed": 0, "resume_step": 1, "num_processes": 1, "process_id": 0}
 INT_LIMIT, SEED_LIMIT = 2**31, 2**63
 
 
@@ -238,6 +242,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_coordinator(cfg.coordinator)
     if cfg.devices is not None:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
+    heads = PRESETS[cfg.model].n_heads
+    if heads % cfg.model_parallel:
+        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide preset "
+                         f"{cfg.model!r}'s {heads} attention heads (Megatron gives each model "
+                         f"device whole heads); use a divisor of {heads}")
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
     if cfg.offload is not None and cfg.offload != "optimizer":
@@ -334,16 +343,25 @@ def _make_writable_dir(out: Path) -> None:
 
 
 def check_split(cfg: TrainConfig, devices: int) -> None:
-    """The global batch must split evenly over processes, devices, replicas and micro-batches."""
+    """The devices must split into replica × data × model, and the global batch evenly over
+    the data-parallel devices (replica × data; a model group sees the same sequences) and the
+    micro-batches."""
+    m = getattr(cfg, "model_parallel", 1)
     if devices % cfg.replica:
         raise UsageError(f"{devices} devices do not split into --replica={cfg.replica} groups")
-    if cfg.batch % devices:
-        raise UsageError(f"--batch={cfg.batch} is not divisible by the {devices} devices; use a "
-                         f"multiple of {devices}")
-    if (cfg.batch // devices) % cfg.grad_accum:
-        raise UsageError(f"per-device batch {cfg.batch // devices} is not divisible by "
+    if devices % (cfg.replica * m):
+        raise UsageError(f"--model-parallel={m} does not divide the {devices // cfg.replica} "
+                         f"devices of {'a replica group' if cfg.replica > 1 else 'the run'}; "
+                         f"use a divisor of {devices // cfg.replica}")
+    n = devices // m
+    what = f"the {n} data-parallel devices" if m > 1 else f"the {n} devices"
+    if cfg.batch % n:
+        raise UsageError(f"--batch={cfg.batch} is not divisible by {what}; use a multiple of "
+                         f"{n}")
+    if (cfg.batch // n) % cfg.grad_accum:
+        raise UsageError(f"per-device batch {cfg.batch // n} is not divisible by "
                          f"--grad-accum={cfg.grad_accum}; use a --batch that is a multiple of "
-                         f"{devices * cfg.grad_accum}")
+                         f"{n * cfg.grad_accum}")
 
 
 def checkpoint_steps(directory: Path) -> list[int]:

@@ -266,15 +266,18 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg,
-                 state_bytes: float = ADAM_BYTES) -> RunEstimate:
+                 state_bytes: float = ADAM_BYTES, split_params: int | None = None
+                 ) -> RunEstimate:
     """This run's per-device model-state bytes by formula (`state_estimate`) for its optimizer
-    (`cfg.optimizer`, default adamw) whose state takes `state_bytes` per param."""
+    (`cfg.optimizer`, default adamw) whose state takes `state_bytes` per param; with
+    `cfg.model_parallel` > 1 the `split_params` are divided over data × model."""
     offload = getattr(cfg, "offload", None)
     memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
                             offload=offload, optimizer_state_bytes=state_bytes,
                             hpz=getattr(cfg, "hpz", False),
                             quantize_weights=getattr(cfg, "quantize_weights", None),
-                            quantize_grads=getattr(cfg, "quantize_grads", None))
+                            quantize_grads=getattr(cfg, "quantize_grads", None),
+                            model=getattr(cfg, "model_parallel", 1), split_params=split_params)
     grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
                        offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,
@@ -285,7 +288,7 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
                  start: int) -> list[tuple[str, str]]:
     """The facts a run prints before it starts."""
     c = model.cfg
-    per_device = cfg.batch // len(devices)
+    per_device = cfg.batch // (len(devices) // getattr(cfg, "model_parallel", 1))
     processes = len({d.process_index for d in devices})
     shape = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
     sched = (f"cosine to {cfg.lr * cfg.min_lr_ratio:.2g}" if cfg.schedule == "cosine"
@@ -303,7 +306,8 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
                  + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
         ("batch", f"{cfg.batch} × {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
-                  f"tokens/step ({per_device} sequences per device)"),
+                  f"tokens/step ({per_device} sequences per "
+                  f"{'data-parallel ' if getattr(cfg, 'model_parallel', 1) > 1 else ''}device)"),
         ("optimizer", f"{TITLE[cfg.optimizer]} lr {cfg.lr:g}, {cfg.warmup} warm-up steps, "
                       f"{sched}, weight decay {cfg.weight_decay:g}"),
         ("data", data),
@@ -321,15 +325,57 @@ def zeropp_text(cfg) -> str:
             + (", hpZ" if getattr(cfg, "hpz", False) else ""))
 
 
-def comm_rows(cfg, num_params: int, devices: int) -> list[tuple[str, str]]:
-    """Bytes one device sends per step by collective (`comm_estimate`), values and scales
-    apart; only for a run with a ZeRO++ option (the plain table stays as it was)."""
-    if not zeropp_text(cfg):
+def split_params(engine) -> int:
+    """Params of `engine`'s layout split over the model axis."""
+    return sum(leaf.size * (leaf.shape[0] if leaf.stacked else 1)
+               for leaf in engine.layout.leaves if leaf.is_split)
+
+
+def _leaf_name(path: str) -> str:
+    """`['blocks']['attn']['qkv']['kernel']` -> `blocks.attn.qkv.kernel`."""
+    return ".".join(part.strip("'\"") for part in path.strip("[]").split("]["))
+
+
+def model_rows(engine) -> list[tuple[str, str]]:
+    """What a model axis splits: the split leaves (and the dimension), the replicated ones,
+    and how their bytes fall per device; none without a model axis."""
+    m = engine.model_parallel
+    if m == 1:
         return []
+    leaves = engine.layout.leaves
+    count = lambda ls: sum(x.size * (x.shape[0] if x.stacked else 1) for x in ls)
+    split = [x for x in leaves if x.is_split]
+    kept = [x for x in leaves if not x.is_split]
+    n = engine.data * engine.replica
+    return [
+        ("model axis", f"model={m}: each layer's matmuls split over {m} devices (Megatron: an "
+                       f"all-reduce of activations after attention and after the MLP, forward "
+                       f"and backward); ZeRO over the {n} data-parallel devices"),
+        ("split", f"{count(split):,} params in {len(split)} leaves, 1/{m} per model device: "
+                  + ", ".join(f"{_leaf_name(x.path)} (dim {x.split})" for x in split)),
+        ("replicated", f"{count(kept):,} params in {len(kept)} leaves, whole on every model "
+                       f"device: " + ", ".join(_leaf_name(x.path) for x in kept)),
+    ]
+
+
+def comm_rows(cfg, num_params: int, devices: int, split_params: int | None = None,
+              shape=None) -> list[tuple[str, str]]:
+    """Bytes one device sends per step by collective (`comm_estimate`), values and scales
+    apart, and by mesh axis where there is a model axis (Megatron's all-reduces from the GPT
+    `shape`); only for a run with a ZeRO++ option or a model axis (the plain table stays as
+    it was)."""
+    m = getattr(cfg, "model_parallel", 1)
+    if not zeropp_text(cfg) and m == 1:
+        return []
+    from zerojax.analysis.tensor import Activations
+
     size = np.dtype(DTYPES[cfg.param_dtype]).itemsize
     kw = {k: getattr(cfg, k, None) for k in ("quantize_weights", "quantize_grads")}
+    acts = (Activations.of(shape, cfg.batch * cfg.seq_len, devices // m, cfg.remat)
+            if shape is not None and m > 1 else None)
     c = comm_estimate(num_params, devices, cfg.stage, grad_bytes=size, param_bytes=size,
-                      replica=cfg.replica, hpz=getattr(cfg, "hpz", False), **kw)
+                      replica=cfg.replica, hpz=getattr(cfg, "hpz", False), model=m,
+                      split_params=split_params, activations=acts, **kw)
     parts = []
     for name, total, scales in (("all_gather", c.all_gather, c.all_gather_scales),
                                 ("reduce_scatter", c.reduce_scatter, 0.0),
@@ -338,7 +384,10 @@ def comm_rows(cfg, num_params: int, devices: int) -> list[tuple[str, str]]:
         if total:
             parts.append(f"{name} {format_bytes(total)}"
                          + (f" (scales {format_bytes(scales)})" if scales else ""))
-    return [("comm/device", f"{format_bytes(c.total)} per step estimated = " + " + ".join(parts))]
+    axes = (" = " + " + ".join(f"over {axis} {format_bytes(v)}" for axis, v in c.axes.items())
+            if m > 1 else "")
+    return [("comm/device", f"{format_bytes(c.total)} per step estimated = " + " + ".join(parts)
+             + axes)]
 
 
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,

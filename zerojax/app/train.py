@@ -191,7 +191,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     console = report.make_console(quiet=not lead or cfg.quiet)
     devices = select_devices(cfg.devices)
     check_split(cfg, len(devices))
-    mesh = make_mesh(data=len(devices) // cfg.replica, replica=cfg.replica, devices=devices)
+    m = cfg.model_parallel
+    mesh = make_mesh(data=len(devices) // (cfg.replica * m), replica=cfg.replica, model=m,
+                     devices=devices)
     model = get_model(cfg.model)
     notes = []
     stage, prefetch = cfg.stage, cfg.prefetch
@@ -262,14 +264,16 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured = report.state_bytes_per_device(state, mine)
     measured_host = report.state_bytes_per_device(state, mine, host=True)
+    split = report.split_params(engine)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg,
-                                   optimizer_state_size(engine).per_param)
+                                   optimizer_state_size(engine).per_param, split)
     step_flops = flops.step_flops(engine, batches.batch(start))
     peak, peak_from = flops.run_peak(devices[0], cfg.param_dtype, cfg.peak_tflops)
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
+        + report.model_rows(engine)
         + report.memory_rows(estimate, measured, measured_host)
-        + report.comm_rows(cfg, num_params, len(devices))
+        + report.comm_rows(cfg, num_params, len(devices), split, model.cfg)
         + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.FORMULA}; "
                      + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
                         else f"no MFU: {peak_from}"))]
