@@ -514,10 +514,13 @@ def run_sequential(makers, todo, args) -> tuple[dict[str, Variant], dict[str, st
 
 
 def time_interleaved(variants: dict[str, Variant], repeats: int, steps: int) -> None:
-    """Round-robin timed blocks, rotating the start so no variant always follows the same one."""
+    """Round-robin timed blocks, each repeat in its own order (a seeded shuffle), so that no
+    variant always follows the same one: a rotated cycle kept each variant's predecessor, and
+    on a shared CPU the block after a slow variant ran faster (docs/performance.md)."""
     names = list(variants)
+    shuffle = np.random.default_rng(0)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in [names[i] for i in shuffle.permutation(len(names))]:
             v = variants[name]
             gc.collect()
             t0, c0 = time.perf_counter(), time.process_time()
