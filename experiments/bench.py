@@ -7,6 +7,12 @@ machine hits all of them alike; each figure is a median over repeats and a ratio
 GSPMD FSDP from the same run. See docs/performance.md.
 
     .venv/bin/python experiments/bench.py --preset small8 --devices 8 --batch 16 --json out.json
+
+Tensor parallelism, run when named: stage 3 on data N/M × model M against GSPMD on a
+fsdp N/M × tensor M mesh with the same 2-D weight shardings, without and with MaxText's
+sharding constraints (`--tp M`, default 2):
+
+    .venv/bin/python experiments/bench.py --variants stage3_tp gspmd_fsdp_tp gspmd_fsdp_tp_hinted
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -39,6 +45,7 @@ from zerojax.app.report import state_bytes_per_device
 from zerojax.mesh import DATA, put_batch
 from zerojax.models import GPT
 from zerojax.models.gpt import PRESETS
+from zerojax.partition import spec_split
 from zerojax.precision import DTYPES
 from zerojax.units import PlainUnits
 
@@ -54,6 +61,14 @@ ZEROPP = {
     "stage3_qwz_qgz": {"quantize_weights": "int8", "quantize_grads": "int4"},
     "stage3_zeropp": {"quantize_weights": "int8", "quantize_grads": "int4", "hpz": True},
 }
+# Tensor parallelism (--tp M), run when named: zerojax stage 3 on make_mesh(data=N/M, model=M),
+# and GSPMD on a fsdp × tensor mesh (MaxText's axis names) with the model's tensor-parallel
+# plan (`param_specs()`) over "tensor" and another dimension of each weight over "fsdp".
+STAGE3_TP = "stage3_tp"
+GSPMD_TP = "gspmd_fsdp_tp"
+GSPMD_TP_HINTED = "gspmd_fsdp_tp_hinted"  # + MaxText's weight/activation constraints
+TP_VARIANTS = (STAGE3_TP, GSPMD_TP, GSPMD_TP_HINTED)
+FSDP, TENSOR = "fsdp", "tensor"
 WARMUP_STEPS = 2  # after the compiling call
 LR = 3e-4
 OPTIMIZER_CHOICES = ("adamw", "clip-adamw", "lamb", "adafactor", "muon")
@@ -82,7 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Newton-Schulz on every device, not on owners)")
     p.add_argument("--variants", nargs="+", default=None,
                    help="subset to run (the baseline always runs); the ZeRO++ variants "
-                        f"{', '.join(ZEROPP)} run only when named")
+                        f"{', '.join(ZEROPP)} and the tensor-parallel ones "
+                        f"{', '.join(TP_VARIANTS)} run only when named")
+    p.add_argument("--tp", type=int, default=2, metavar="M",
+                   help=f"model axis of {STAGE3_TP} (data N/M × model M) and {GSPMD_TP} "
+                        f"(fsdp N/M × tensor M)")
     p.add_argument("--baseline", default=BASELINE,
                    help="the variant the ratios are against (optax_single: one device)")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each variant")
@@ -102,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--repeats {args.repeats}: medians need at least 5 interleaved repeats")
     if args.steps_per_repeat < 1:
         p.error("--steps-per-repeat must be >= 1")
+    if args.tp < 2:
+        p.error(f"--tp {args.tp}: the model axis of the tensor-parallel variants needs >= 2 "
+                f"devices")
     return args
 
 
@@ -205,27 +227,39 @@ def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
     tx = plain_tx(args)
     dtype = DTYPES[args.param_dtype]
     units = HintedUnits(dtype, args.remat, mesh) if hinted else PlainUnits(dtype, args.remat)
-    rng = jax.random.key(0)
-    abstract = jax.eval_shape(model.init, rng)
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
     opt_abstract = jax.eval_shape(tx.init, abstract)
     if mesh is None:  # single device: no shardings at all
-        p_sh = o_sh = b_sh = out_sh = None
+        return jit_variant(name, model, tx, units, host_batch, None)
+    n = mesh.shape[DATA]
+    # The layer axis of the stacked blocks is the scan axis: never shard it.
+    p_sh = jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, fsdp_spec(
+            a.shape, n, 1 if jax.tree_util.keystr(path[:1]) == "['blocks']" else 0)),
+        abstract)
+    # Every optimizer-state leaf sharded as a param of its shape would be (its largest
+    # divisible axis; a stacked block's layer axis never), whatever the optimizer.
+    o_sh = jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, fsdp_spec(
+            a.shape, n, 1 if "'blocks'" in jax.tree_util.keystr(path) and a.ndim > 2
+            else 0)), opt_abstract)
+    return jit_variant(name, model, tx, units, host_batch, (p_sh, o_sh, P(DATA)), mesh)
+
+
+def jit_variant(name, model, tx, units, host_batch, shardings, mesh=None) -> Variant:
+    """One `jax.jit` of value_and_grad + the optax update, donating the state; `shardings`:
+    (params', optimizer state's NamedShardings, the batch's PartitionSpec) on `mesh`, or None
+    for one device. With shardings, GSPMD places every collective."""
+    rng = jax.random.key(0)
+    if shardings is None:
+        p_sh = o_sh = None
         batch = jax.device_put(host_batch, jax.devices()[0])
+        shard = {}
     else:
-        n = mesh.shape[DATA]
-        # The layer axis of the stacked blocks is the scan axis: never shard it.
-        p_sh = jax.tree_util.tree_map_with_path(
-            lambda path, a: NamedSharding(mesh, fsdp_spec(
-                a.shape, n, 1 if jax.tree_util.keystr(path[:1]) == "['blocks']" else 0)),
-            abstract)
-        # Every optimizer-state leaf sharded as a param of its shape would be (its largest
-        # divisible axis; a stacked block's layer axis never), whatever the optimizer.
-        o_sh = jax.tree_util.tree_map_with_path(
-            lambda path, a: NamedSharding(mesh, fsdp_spec(
-                a.shape, n, 1 if "'blocks'" in jax.tree_util.keystr(path) and a.ndim > 2
-                else 0)), opt_abstract)
-        b_sh, out_sh = NamedSharding(mesh, P(DATA)), NamedSharding(mesh, P())
+        p_sh, o_sh, b_spec = shardings
+        b_sh, out_sh = NamedSharding(mesh, b_spec), NamedSharding(mesh, P())
         batch = jax.device_put(host_batch, b_sh)
+        shard = dict(in_shardings=((p_sh, o_sh), b_sh), out_shardings=((p_sh, o_sh), out_sh))
 
     def train_step(state, batch):
         params, opt_state = state
@@ -233,12 +267,104 @@ def optax_variant(name, model, mesh, args, host_batch, hinted=False) -> Variant:
         updates, opt_state = tx.update(g, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
 
-    shard = (dict(in_shardings=((p_sh, o_sh), b_sh), out_shardings=((p_sh, o_sh), out_sh))
-             if mesh is not None else {})
     step = jax.jit(train_step, donate_argnums=0, **shard)
     params = jax.jit(model.init, out_shardings=p_sh)(rng)
     state = (params, jax.jit(tx.init, out_shardings=o_sh)(params))
     return Variant(name, step, state, batch, lambda: step.lower(state, batch))
+
+
+def tp_spec(shape, split: int | None, fsdp: int, first: int = 0) -> P:
+    """MaxText's 2-D weight sharding: dimension `split` (the model's tensor-parallel one, or
+    None) over "tensor", and the largest other dimension from `first` on that `fsdp` divides
+    over "fsdp" (none if no dimension fits)."""
+    dims = [i for i in range(first, len(shape))
+            if i != split and fsdp > 1 and shape[i] % fsdp == 0]
+    axis = max(dims, key=lambda i: (shape[i], -i)) if dims else None
+    return P(*(TENSOR if i == split else FSDP if i == axis else None
+               for i in range(len(shape))))
+
+
+def tp_mesh(devices, m: int) -> Mesh:
+    """The devices as a fsdp N/M × tensor M mesh, tensor innermost (as zerojax's model axis)."""
+    n = len(devices)
+    if n % m:
+        raise ValueError(f"--tp {m} does not divide the {n} devices")
+    return Mesh(np.array(devices, dtype=object).reshape(n // m, m), (FSDP, TENSOR))
+
+
+def tp_shardings(model, mesh: Mesh, tx) -> tuple[Any, Any]:
+    """(params', optimizer state's NamedShardings) of GSPMD 2-D: each weight as `tp_spec` puts
+    it (its `param_specs()` "model" dimension over "tensor"; never the layer axis of the
+    stacked blocks over "fsdp"), each optimizer-state copy of the params sharded like them,
+    the rest (step counts) replicated."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    fsdp = mesh.shape[FSDP]
+    specs = treedef.flatten_up_to(model.param_specs())
+    p_sh = treedef.unflatten([
+        NamedSharding(mesh, tp_spec(a.shape, spec_split(s, a.shape, jax.tree_util.keystr(k)),
+                                    fsdp, 1 if jax.tree_util.keystr(k[:1]) == "['blocks']"
+                                    else 0))
+        for (k, a), s in zip(leaves, specs)])
+    replicated = NamedSharding(mesh, P())
+    # A state leaf of another shape than its param (factored statistics): replicated.
+    o_sh = optax.tree_map_params(
+        tx, lambda x, a, sh: sh if x.shape == a.shape else replicated,
+        jax.eval_shape(tx.init, abstract), abstract, p_sh,
+        transform_non_params=lambda _: replicated)
+    return p_sh, o_sh
+
+
+def stage3_tp_variant(model, devices, args, host_batch) -> Variant:
+    """zerojax stage 3 on make_mesh(data=N/M, model=M): ZeRO over "data", the model's
+    `param_specs()` plan over "model" (DESIGN.md section 8)."""
+    m = tp_mesh(devices, args.tp).shape[TENSOR]  # the same devices, the same check
+    mesh = zj.make_mesh(data=len(devices) // m, model=m, devices=devices)
+    return zero_variant(STAGE3_TP, model, mesh, args, host_batch, 3)
+
+
+class TPHintedUnits(PlainUnits):
+    """MaxText-style hints on the fsdp × tensor mesh: each gathered weight keeps only its
+    "tensor" split (it is gathered over "fsdp" where the model uses it), and the residual
+    stream is sharded on batch over "fsdp" at every layer boundary. `specs`: the params'
+    PartitionSpecs, a dict of units as the GPT's (the stacked `blocks` per layer)."""
+
+    def __init__(self, dtype, remat, mesh, specs):
+        super().__init__(dtype, remat)
+        self.act = NamedSharding(mesh, P(FSDP))
+        self.weights = {}  # a gathered subtree's structure -> its leaves' shardings
+        is_spec = lambda x: isinstance(x, P)
+        for key, tree in specs.items():
+            lead = 1 if key == "blocks" else 0  # a layer of the stack has no layer axis
+            flat, treedef = jax.tree.flatten(tree, is_leaf=is_spec)
+            self.weights[treedef] = [NamedSharding(mesh, P(*(e if e == TENSOR else None
+                                                             for e in tuple(spec)[lead:])))
+                                     for spec in flat]
+
+    def gather(self, subtree):
+        full = super().gather(subtree)
+        flat, treedef = jax.tree.flatten(full)
+        return treedef.unflatten([jax.lax.with_sharding_constraint(x, sh) for x, sh in
+                                  zip(flat, self.weights[treedef])])
+
+    def scan(self, body, carry, stacked):
+        hinted = lambda c, p: jax.lax.with_sharding_constraint(body(c, p), self.act)
+        return super().scan(hinted, jax.lax.with_sharding_constraint(carry, self.act), stacked)
+
+
+def gspmd_tp_variant(model, devices, args, host_batch, hinted=False) -> Variant:
+    """GSPMD with tensor parallelism, MaxText style: fsdp N/M × tensor M, the weights as
+    `tp_shardings` puts them, the batch over "fsdp" (replicated over "tensor"); XLA partitions
+    each matmul from the shardings. `hinted`: with TPHintedUnits' constraints, so that
+    each weight is gathered over "fsdp" and each matmul split over "tensor" (Megatron)."""
+    mesh = tp_mesh(devices, args.tp)
+    tx = plain_tx(args)
+    p_sh, o_sh = tp_shardings(model, mesh, tx)
+    dtype = DTYPES[args.param_dtype]
+    units = (TPHintedUnits(dtype, args.remat, mesh, jax.tree.map(lambda sh: sh.spec, p_sh))
+             if hinted else PlainUnits(dtype, args.remat))
+    return jit_variant(GSPMD_TP_HINTED if hinted else GSPMD_TP, model, tx, units, host_batch,
+                       (p_sh, o_sh, P(FSDP)), mesh)
 
 
 def floor_variant(model, mesh, args, host_batch) -> Variant:
@@ -277,6 +403,11 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
         OFFLOAD: lambda: zero_variant(OFFLOAD, model, mesh, args, host_batch, 3,
                                       offload="optimizer"),
     }
+    devices = list(mesh.devices.flat)
+    makers[STAGE3_TP] = lambda: stage3_tp_variant(model, devices, args, host_batch)
+    makers[GSPMD_TP] = lambda: gspmd_tp_variant(model, devices, args, host_batch)
+    makers[GSPMD_TP_HINTED] = lambda: gspmd_tp_variant(model, devices, args, host_batch,
+                                                       hinted=True)
     for name, kw in ZEROPP.items():
         makers[name] = (lambda name=name, kw=kw: zero_variant(name, model, mesh, args,
                                                               host_batch, 3, **kw))
@@ -296,7 +427,8 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
 
 def selected(makers, args) -> list[str]:
     """The names to run, in the makers' order; the baseline always runs."""
-    wanted = set(args.variants or [n for n in makers if n not in ZEROPP]) | {args.baseline}
+    named = set(ZEROPP) | set(TP_VARIANTS)  # run only when named
+    wanted = set(args.variants or [n for n in makers if n not in named]) | {args.baseline}
     unknown = wanted - set(makers)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {sorted(makers)}")
@@ -382,10 +514,13 @@ def run_sequential(makers, todo, args) -> tuple[dict[str, Variant], dict[str, st
 
 
 def time_interleaved(variants: dict[str, Variant], repeats: int, steps: int) -> None:
-    """Round-robin timed blocks, rotating the start so no variant always follows the same one."""
+    """Round-robin timed blocks, each repeat in its own order (a seeded shuffle), so that no
+    variant always follows the same one: a rotated cycle kept each variant's predecessor, and
+    on a shared CPU the block after a slow variant ran faster (docs/performance.md)."""
     names = list(variants)
+    shuffle = np.random.default_rng(0)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in [names[i] for i in shuffle.permutation(len(names))]:
             v = variants[name]
             gc.collect()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -427,7 +562,8 @@ def summarize(variants, na, tokens, flops_per_token, peak, n_dev, baseline=BASEL
 
 def targets(res: dict, baseline: str = BASELINE) -> dict:
     """The CPU targets, judged on medians; paired and CPU-time figures alongside. Against
-    another baseline than GSPMD FSDP: stage 3's ratio to it and the stages' spread."""
+    another baseline than GSPMD FSDP: stage 3's ratio to it and the stages' spread. With the
+    tensor-parallel variants: stage 3 on data × model against GSPMD fsdp × tensor."""
     ok = lambda n: res.get(n, {}).get("status") == "ok"
     t: dict = {}
     if ok("stage3") and baseline != BASELINE:
@@ -437,6 +573,15 @@ def targets(res: dict, baseline: str = BASELINE) -> dict:
         t.update(stage3_over_fsdp=r["ratio"], stage3_over_fsdp_paired=r["paired_ratio"],
                  stage3_over_fsdp_cpu=r["cpu_ratio"])
         t["stage3_le_0.8x_fsdp"] = r["ratio"] <= 0.8
+    for base in (GSPMD_TP, GSPMD_TP_HINTED):  # tensor parallelism: against GSPMD 2-D
+        if ok(STAGE3_TP) and ok(base):
+            a, b = res[STAGE3_TP], res[base]
+            key = f"{STAGE3_TP}_over_{base}"
+            t[key] = a["median_s"] / b["median_s"]
+            t[key + "_paired"] = float(np.median(np.array(a["times_s"])
+                                                 / np.array(b["times_s"])))
+            t[key + "_cpu"] = a["cpu_s"] / b["cpu_s"]
+            t[f"{STAGE3_TP}_le_1.0x_{base}"] = t[key] <= 1.0
     if ok(FLOOR) and baseline == BASELINE:  # what a zero-overhead step would score
         t["floor_over_fsdp"] = res[FLOOR]["ratio"]
         t["floor_over_fsdp_cpu"] = res[FLOOR]["cpu_ratio"]

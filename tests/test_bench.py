@@ -112,6 +112,91 @@ def test_fsdp_spec_shards_the_largest_divisible_dimension():
     assert bench.fsdp_spec((64, 64), 8) == P("data", None)  # ties: the first
 
 
+def test_tp_spec_puts_the_split_dimension_on_tensor_and_another_on_fsdp():
+    P = bench.P
+    assert bench.tp_spec((8, 128, 384), 2, 4, first=1) == P(None, "fsdp", "tensor")
+    assert bench.tp_spec((8, 512, 128), 1, 4, first=1) == P(None, "tensor", "fsdp")
+    assert bench.tp_spec((8, 384), 1, 4, first=1) == P(None, "tensor")  # never the layer axis
+    assert bench.tp_spec((256, 128), None, 4) == P("fsdp", None)
+    assert bench.tp_spec((256, 6), 0, 4) == P("tensor", None)  # nothing else divisible
+
+
+def test_tp_shardings_follow_the_models_plan_and_shard_adam_like_the_params():
+    import jax
+
+    from zerojax.models import GPT
+
+    model = GPT.from_preset("test")  # d 32, d_ff 64, V 64, T 16, 2 layers
+    mesh = bench.tp_mesh(jax.devices()[:8], 2)
+    assert dict(mesh.shape) == {"fsdp": 4, "tensor": 2}
+    assert mesh.devices[0, 1] == jax.devices()[1]  # tensor innermost, as zerojax's model
+    p_sh, o_sh = bench.tp_shardings(model, mesh, bench.plain_tx(bench.parse_args([])))
+    spec = lambda sh: tuple(sh.spec)
+    blocks, P = p_sh["blocks"], bench.P
+    want = {"qkv": (None, "fsdp", "tensor"), "out": (None, "tensor", "fsdp")}
+    assert {k: spec(blocks["attn"][k]["kernel"]) for k in want} == want
+    assert spec(blocks["mlp"]["fc"]["kernel"]) == (None, "fsdp", "tensor")
+    assert spec(blocks["mlp"]["out"]["kernel"]) == (None, "tensor", "fsdp")
+    assert spec(blocks["attn"]["qkv"]["bias"]) == (None, "tensor")
+    assert spec(blocks["attn"]["out"]["bias"]) == (None, "fsdp")
+    assert spec(p_sh["embed"]["tok"]) == ("tensor", "fsdp")
+    assert spec(p_sh["embed"]["pos"]) == (None, "fsdp")  # [16, 32]: replicated over tensor
+    assert spec(p_sh["final"]["head"]["kernel"]) == ("fsdp", "tensor")
+    adam = o_sh[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    assert jax.tree.map(spec, adam.mu) == jax.tree.map(spec, p_sh)
+    assert jax.tree.map(spec, adam.nu) == jax.tree.map(spec, p_sh)
+    assert adam.count.spec == P()
+
+
+def test_tensor_parallel_variants_run_only_when_named():
+    import jax
+
+    from zerojax.models import GPT
+
+    args = bench.parse_args([])
+    makers = bench.variant_makers(GPT.from_preset("test"), bench.zj.make_mesh(data=8), args,
+                                  None)
+    assert set(bench.TP_VARIANTS) <= set(makers)
+    assert not set(bench.TP_VARIANTS) & set(bench.selected(makers, args))
+    args = bench.parse_args(["--variants", "stage3_tp", "--baseline", "gspmd_fsdp_tp"])
+    assert bench.selected(makers, args) == ["stage3_tp", "gspmd_fsdp_tp"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tp", "1"])
+    with pytest.raises(ValueError, match="--tp 3 does not divide the 8 devices"):
+        bench.tp_mesh(jax.devices()[:8], 3)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_variants_train_the_same_model_and_report_their_ratio(tmp_path):
+    # data 2 × model 2 against GSPMD fsdp 2 × tensor 2, on 4 simulated devices.
+    out = tmp_path / "tp.json"
+    fast = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast}
+    cmd = [sys.executable, str(BENCH), "--preset", "test", "--devices", "4", "--batch", "8",
+           "--repeats", "5", "--steps-per-repeat", "1", "--baseline", "gspmd_fsdp_tp",
+           "--variants", "stage3_tp", "gspmd_fsdp_tp_hinted", "--hlo", "--json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    v = result["variants"]
+    assert list(v) == ["stage3_tp", "gspmd_fsdp_tp", "gspmd_fsdp_tp_hinted"]
+    ref = v["gspmd_fsdp_tp"]["loss"]
+    assert 3.0 < ref < 5.0
+    for name, r in v.items():
+        assert r["status"] == "ok", (name, r.get("reason"))
+        assert r["loss"] == pytest.approx(ref, rel=1e-2), name
+        assert 0 < r["temp_bytes"] < r["peak_bytes"]
+    # zerojax: ZeRO's collectives and Megatron's activation all-reduces over model
+    assert set(v["stage3_tp"]["hlo"]["collectives"]) == {"all-gather", "reduce-scatter",
+                                                         "all-reduce"}
+    t = result["targets"]
+    for base in ("gspmd_fsdp_tp", "gspmd_fsdp_tp_hinted"):
+        key = f"stage3_tp_over_{base}"
+        assert t[key] == pytest.approx(v["stage3_tp"]["median_s"] / v[base]["median_s"])
+        assert t[key + "_paired"] > 0 and t[key + "_cpu"] > 0
+        assert t[f"stage3_tp_le_1.0x_{base}"] == (t[key] <= 1.0)
+
+
 HLO = textwrap.dedent("""\
     %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
       %p = (s32[], f32[8]{0}) parameter(0)
