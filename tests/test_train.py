@@ -638,6 +638,7 @@ def test_tensorboard_holds_metrics_jsonl_and_the_flops(reference):
     assert t["mfu"] is None and s["flops"]["peak_tflops"] is None
 
 
+@pytest.mark.slow
 def test_a_script_with_the_run_log_writes_the_records_of_the_cli(reference, tokens64, tmp_path):
     """The reference run again, as a script writes it: its own loop, `zj.RunLog` and an
     optimizer that carries its learning rate (`optax.inject_hyperparams`). The same records:

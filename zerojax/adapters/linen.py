@@ -117,7 +117,7 @@ class LinenModel:
             path = m.path
             if path and path not in seen and type(m).__module__ != nn.transforms.__name__:
                 mine = m.variables.get("params", {})
-                full = at_path(abstract["params"], path)
+                full = at_path(abstract["params"], path) if jax.tree.leaves(mine) else {}
                 pairs = list(zip(map(jnp.shape, jax.tree.leaves(full)),
                                  map(jnp.shape, jax.tree.leaves(mine))))
                 stacked = bool(pairs) and pairs[0][0] != pairs[0][1]
