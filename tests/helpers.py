@@ -40,7 +40,7 @@ def adamw():
 def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
     """Plain single-device optax on the global batches: (per-step losses, final params)."""
     tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
-    params = model.init(jax.random.key(rng))
+    params = jax.jit(model.init)(jax.random.key(rng))  # as Engine.init: one program, not eager
     state = tx.init(params)
 
     @jax.jit

@@ -330,6 +330,7 @@ def test_linen_scan_units_free_gathered_layers():
 # --------------------------------------------------------------------------- rng and state
 
 
+@pytest.mark.slow  # per step and device: test_nnx_dropout_differs_per_device_and_resumes_bitwise
 def test_nnx_dropout_draws_new_masks_every_step():
     model = NNXLM(nnx.Rngs(0), layers=2, rate=0.5)
     zm = zj.from_nnx(model, nnx_loss, units=(Block,))
@@ -445,7 +446,7 @@ def test_linen_batchnorm_matches_global_batch(stage):
 
 
 @pytest.mark.parametrize("name", sweep(["nnx_transformer", "linen_scan_transformer"],
-                                        quick=["nnx_transformer"]))
+                                        quick=[]))  # end to end: CI's slow tier
 def test_transformer_examples_train_and_go_back_to_flax(name):
     out = load_example(name).main(["--steps", "6", "--layers", "1"])
     assert out["losses"][-1] < 0.8 * out["losses"][0]
@@ -453,6 +454,7 @@ def test_transformer_examples_train_and_go_back_to_flax(name):
     np.testing.assert_allclose(out["eval"], out["plain"], rtol=1e-5)
 
 
+@pytest.mark.slow  # end to end, as the transformer examples
 def test_cnn_example_trains_and_goes_back_to_flax():
     out = load_example("linen_cnn_batchnorm").main(["--steps", "12"])
     assert out["losses"][-1] < 0.5 * out["losses"][0]

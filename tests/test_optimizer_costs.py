@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import sweep
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -58,7 +59,7 @@ def added(name, stage, base="sgd", dtype="float32"):
     return got - ref, ref - got
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_elementwise_optimizers_add_no_collective(stage):
     for name in ("adamw", "lion", "sgd+momentum"):
         assert added(name, stage) == (collections.Counter(), collections.Counter()), name
@@ -73,7 +74,8 @@ def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
                     collections.Counter({("all-reduce", "f32[]"): 1}))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", sweep(["float32", "bfloat16", "float16"],
+                                        quick=["float32", "bfloat16"]))
 def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf(dtype):
     """lamb needs each leaf's param norm and update norm: one all-reduce of both for every
     leaf at once; optax's safe_norm then takes each norm again where it is not zero (a second

@@ -25,7 +25,7 @@ def test_optimizer_table_with_a_model_axis_matches_single_device_optax(bundle, c
     table.assert_matches(bundle, losses, params, split=True)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", sweep(["bfloat16", "float16"], quick=["bfloat16"]))
 def test_trust_ratio_optimizers_in_half_precision_at_stage_3_match_stage_0(dtype):
     """LAMB, LARS and Fromage with bf16 compute, and fp16 with loss scaling (the update's
     finite-step path): stage 3's sharded update (the per-leaf norms as segment sums, the

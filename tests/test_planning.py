@@ -466,6 +466,7 @@ def test_measure_command_splits_device_and_host(capsys, keep_xla_flags):
     assert "host state" in table and "device peak" in table and "split" in table
 
 
+@pytest.mark.slow  # the library's search: test_plan_tries_offload_only_when_nothing_fits
 def test_plan_command_says_when_it_tried_offload(capsys, keep_xla_flags):
     from test_measure import engine_offloads
 

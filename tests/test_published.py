@@ -312,7 +312,7 @@ def same_rows(batch):
 
 
 @pytest.mark.parametrize("name, accum", sweep([("boxed", 1), ("config_lm", 1), ("nnx", 2)],
-                                              quick=[("nnx", 2)]))
+                                              quick=[]))  # quick: test_adapters.py
 def test_dropout_masks_per_step_and_device_and_resume(name, accum, tmp_path):
     """lr 0 and the same rows on every device: only the masks make the losses differ, per
     step and per device; restored from a checkpoint the run draws the same masks again.
@@ -482,6 +482,7 @@ def doc_snippets():
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+@pytest.mark.slow  # end to end: the docs' snippets as a reader runs them
 def test_doc_snippets_run(capsys):
     """docs/models.md shows each pattern with a snippet that runs as it is (their asserts
     included); the boxed one prints the hint module.init made."""

@@ -746,8 +746,9 @@ def test_nano_stage3_learns_and_writes_outputs(tmp_path):
 @pytest.mark.slow
 def test_model_parallel_quick_start_reaches_the_same_eval_loss(tmp_path):
     """The quick start on 8 devices, with and without a model axis of 2: the same eval loss
-    after 50 steps (float32; only the order of the reductions differs)."""
-    argv = ["train", "--devices", 8, "--steps", 50, "--eval-every", 50, "--no-tensorboard"]
+    after 25 steps (float32; only the order of the reductions differs)."""
+    argv = ["train", "--devices", 8, "--steps", 25, "--eval-every", 25, "--eval-batches", 2,
+            "--no-tensorboard"]
     runs = {name: zerojax(*argv, *more, "--out", tmp_path / name, fast=False)
             for name, more in (("flat", []), ("tp", ["--model-parallel", 2]))}
     for r in runs.values():
@@ -764,7 +765,7 @@ def test_model_parallel_quick_start_reaches_the_same_eval_loss(tmp_path):
     # The state per device: split params over 8, the 19,712 replicated over 4 (fp32 Adam).
     measured = summary["tp"]["memory_per_device"]["measured_state_bytes"]
     assert measured == pytest.approx(12 * (855_552 / 8 + 19_712 / 4), rel=1e-3)
-    print(f"eval loss after 50 steps: flat {flat!r}, data 4 x model 2 {tp!r}")
+    print(f"eval loss after 25 steps: flat {flat!r}, data 4 x model 2 {tp!r}")
 
 
 @pytest.mark.slow
@@ -812,6 +813,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, reference):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "20"]
 
 
+@pytest.mark.slow  # the library's words: test_checkpoint.py's damaged latest step
 def test_resume_step_after_a_damaged_latest_step(tmp_path, reference, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
     out = tmp_path / "run"
