@@ -128,6 +128,14 @@ def model_config(p: Parser, a, params_flag: bool = True):
     return name, cfg
 
 
+def quantize_args(p: Parser) -> None:
+    """ZeRO++'s quantized collectives, as `measure` and `estimate` take them."""
+    p.add_argument("--quantize-weights", choices=("int8",), default=None,
+                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
+    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
+                   help="ZeRO++ qgZ: quantized gradient reductions")
+
+
 def _model_args(p: Parser, model_required: bool = True) -> None:
     _shape_args(p, "GPT preset" + (" (or a shape below, or --params)" if model_required else
                                    " (or a shape below, or --params; or --largest)"))
@@ -207,10 +215,7 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="keep the optimizer state in host memory (stages 1-3); the table "
                         "splits device and host bytes")
-    p.add_argument("--quantize-weights", choices=("int8",), default=None,
-                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
-    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
-                   help="ZeRO++ qgZ: quantized gradient reductions")
+    quantize_args(p)
     p.add_argument("--replica", type=positive_arg, default=1,
                    help="the make_mesh(replica=R, data=devices/R) mesh; the table splits the "
                         "bytes sent over data and over replica")

@@ -16,7 +16,7 @@ from zerojax.analysis.accounting import (
     estimate,
     estimate_table,
 )
-from zerojax.analysis.commands import _shape_args, model_config
+from zerojax.analysis.commands import _shape_args, model_config, quantize_args
 from zerojax.analysis.console import Parser, positive_arg, print_assumptions, print_table
 from zerojax.analysis.planning import named_optimizer
 from zerojax.collectives.quantize import bytes_per_element
@@ -58,10 +58,7 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
                         "the baseline); adds host and host<->device columns")
-    p.add_argument("--quantize-weights", choices=("int8",), default=None,
-                   help="ZeRO++ qwZ: int8 weight gathers (stages 1-3)")
-    p.add_argument("--quantize-grads", choices=("int8", "int4"), default=None,
-                   help="ZeRO++ qgZ: quantized gradient reductions")
+    quantize_args(p)
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
                         "sharded within each replica")

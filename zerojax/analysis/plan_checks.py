@@ -48,25 +48,24 @@ def model_sizes(model, devices: int, replica: int, model_parallel) -> tuple[int,
     return tuple(sorted(set(sizes)))
 
 
+def _number(name: str, value, within, advice: str) -> float:
+    """`value` as a float where it is a real number (not a bool) that `within` accepts."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
+        raise ConfigError(f"{name}={value!r}: {advice}")
+    return float(value)
+
+
 def margin(margin) -> float:
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
-            or not 0 <= margin < 1:
-        raise ConfigError(f"margin={margin!r}: give the share of device memory to keep free, "
-                          f"in [0, 1) (e.g. 0.1)")
-    return float(margin)
+    return _number("margin", margin, lambda x: 0 <= x < 1,
+                   "give the share of device memory to keep free, in [0, 1) (e.g. 0.1)")
 
 
 def efficiency(efficiency) -> float:
-    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) \
-            or not 0 < efficiency <= 1:
-        raise ConfigError(f"efficiency={efficiency!r}: give the fraction of the peak compute "
-                          f"runs at (the MFU), in (0, 1], e.g. {EFFICIENCY}")
-    return float(efficiency)
+    return _number("efficiency", efficiency, lambda x: 0 < x <= 1,
+                   f"give the fraction of the peak compute runs at (the MFU), in (0, 1], "
+                   f"e.g. {EFFICIENCY}")
 
 
 def latency(latency) -> float:
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) \
-            or not 0 <= latency < 1:
-        raise ConfigError(f"latency={latency!r}: give the seconds a collective launch costs, "
-                          f">= 0 (e.g. {LATENCY})")
-    return float(latency)
+    return _number("latency", latency, lambda x: 0 <= x < 1,
+                   f"give the seconds a collective launch costs, >= 0 (e.g. {LATENCY})")
