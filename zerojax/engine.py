@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,6 +23,7 @@ from zerojax.mesh import (
     check_batch_like,
     check_key,
     check_mesh,
+    eval_parts,
     mesh_sizes,
     model_size,
     naming_the_batch,
@@ -327,16 +327,7 @@ class Engine:
                                            P()),
                                  out_specs=P(), axis_names=frozenset(self.axes), check_vma=True)
             self._eval_fn = jax.jit(body)
-        shards = self.replica * self.data // pc  # the batch slices this process feeds
-        local = n // pc
-        full = local // shards * shards
-        parts = []
-        if full:
-            part = batch if full == local else _rows(batch, 0, full, full)
-            parts.append((part, np.ones(full, np.float32), 0))
-        if local > full:  # one example per device, padded: a device holds 1 real or 1 pad
-            parts.append((_rows(batch, full, local, shards),
-                          (np.arange(shards) < local - full).astype(np.float32), full * pc))
+        parts = eval_parts(batch, n // pc, self.replica * self.data // pc, pc)
         sums = [self._eval_fn(state, put_batch(part, self.mesh), put_batch(real, self.mesh),
                               offset) for part, real, offset in parts]
         return {k: sum(s[k] for s in sums) / n for k in sums[0]}
@@ -451,18 +442,6 @@ class Engine:
         from zerojax import checkpoint
         return checkpoint.restore(self, directory, step)
 
-
-def _rows(batch, lo: int, hi: int, size: int):
-    """Rows `lo:hi` of every leaf of `batch`, padded to `size` rows with copies of row `lo`."""
-    def take(x):
-        x = x if hasattr(x, "shape") else np.asarray(x)
-        xp = jnp if isinstance(x, jax.Array) else np
-        part = x[lo:hi]
-        if size > hi - lo:
-            part = xp.concatenate([part, xp.repeat(x[lo:lo + 1], size - (hi - lo), axis=0)])
-        return part
-
-    return jax.tree.map(take, batch)
 
 
 def _is_key(x) -> bool:

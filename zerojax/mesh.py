@@ -126,6 +126,36 @@ def check_batch(batch, mesh: Mesh, grad_accum: int = 1, process_count: int = 1, 
     return size
 
 
+def eval_parts(batch, local: int, shards: int, process_count: int = 1) -> list[tuple]:
+    """The batches `evaluate` runs for this process's `local` examples over its `shards` batch
+    slices, each as (rows, real-example weights, offset of its first example in the global
+    batch): the largest part the slices divide, then the rest one example per slice, padded
+    with copies that weigh nothing."""
+    full = local // shards * shards
+    parts = []
+    if full:
+        part = batch if full == local else _rows(batch, 0, full, full)
+        parts.append((part, np.ones(full, np.float32), 0))
+    if local > full:  # one example per slice: a slice holds 1 real example or 1 pad
+        parts.append((_rows(batch, full, local, shards),
+                      (np.arange(shards) < local - full).astype(np.float32),
+                      full * process_count))
+    return parts
+
+
+def _rows(batch, lo: int, hi: int, size: int):
+    """Rows `lo:hi` of every leaf of `batch`, padded to `size` rows with copies of row `lo`."""
+    def take(x):
+        x = x if hasattr(x, "shape") else np.asarray(x)
+        xp = jnp if isinstance(x, jax.Array) else np
+        part = x[lo:hi]
+        if size > hi - lo:
+            part = xp.concatenate([part, xp.repeat(x[lo:lo + 1], size - (hi - lo), axis=0)])
+        return part
+
+    return jax.tree.map(take, batch)
+
+
 def put_batch(batch, mesh: Mesh):
     """Places a process-local batch on the mesh as global arrays sharded on axis 0 (inside an
     outer `jax.jit`, traced leaves are the global batch and only get the sharding)."""
