@@ -196,11 +196,6 @@ class Engine:
         host = lambda t: jax.tree.map(on(HOST_MEMORY), t, is_leaf=is_spec)
         return shardings._replace(master=host(specs.master), opt_state=host(specs.opt_state))
 
-    def abstract_master(self):
-        layout = self.layout
-        return layout.unflatten(jax.ShapeDtypeStruct(layout.flat_shape(leaf), jnp.float32)
-                                for leaf in layout.leaves)
-
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s with shardings: for AOT compilation without memory."""
         shapes = jax.eval_shape(self._to_state, self.layout.unflatten(

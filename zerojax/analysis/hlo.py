@@ -36,12 +36,6 @@ def _dtype_bytes(name: str) -> float:
     return int(bits.group(1)) / 8 if bits else 0
 
 
-def _shape_bytes(text: str) -> list[float]:
-    """Bytes of every array shape in an HLO type string, in order."""
-    return [_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
-            for dt, dims in _SHAPE.findall(text)]
-
-
 def _split_type(rest: str) -> tuple[str, str]:
     """`type opcode(operands), attrs` -> (type, the rest from the opcode on)."""
     if not rest.startswith("("):

@@ -103,11 +103,6 @@ def _errno_of(text: str) -> int | None:
     return None
 
 
-def no_space(e: BaseException) -> bool:
-    """Whether `e` is a write that failed for lack of space (or quota)."""
-    return write_errno(e) in (errno.ENOSPC, errno.EDQUOT)
-
-
 def why_not_written(code: int, path: Path) -> str:
     """Why a write into `path` failed with OS error `code`, and the free space there: "no space
     left on its device (1.2 MB free)"."""
