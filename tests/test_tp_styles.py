@@ -286,6 +286,27 @@ def test_a_hint_naming_an_unmapped_axis_is_one_line(how):
     assert "('tp', 'model')" in msg and "from_nnx(logical_axis_rules=" in msg, msg
 
 
+_own_constraint = jax.lax.with_sharding_constraint  # as `from jax.lax import ...` binds it
+
+
+def test_a_constraint_imported_by_name_is_one_line():
+    class ByName(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(6, 4, kernel_metadata={"out_sharding": P(None, "model")},
+                                  rngs=rngs)
+
+        def __call__(self, x):
+            return _own_constraint(self.lin(x), P(None, "tp"))
+
+    with nnx.use_eager_sharding(False):
+        model = zj.from_nnx(ByName(nnx.Rngs(0)), lambda m, b: jnp.mean(m(b["x"])),
+                            logical_axis_rules=EXPLICIT_RULES)
+    with pytest.raises(zj.ModelError, match=r"P\(None, 'tp'\) \(with_sharding_constraint at "
+                                            r"test_tp_styles.py:\d+ \(__call__\)\).*'tp'.*call it "
+                                            r"as jax.lax.with_sharding_constraint"):
+        engine_init(model, MESHES["4x2"])
+
+
 def test_a_hint_that_names_no_axes_is_one_line():
     class Placed(nnx.Module):
         def __init__(self, rngs):

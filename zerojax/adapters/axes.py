@@ -193,7 +193,7 @@ def model_axes(batch_axis, rules=None, adapter="from_linen"):
             hints.install()
         _INSTALLED[0] += 1
         try:
-            with named_axis_errors(batch_axis), \
+            with named_axis_errors(batch_axis), hints.foreign_axis_errors(), \
                     hints.active(hints.Hints(rules, batch_axis, adapter)):
                 yield
         finally:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 import sys
+import traceback
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -71,16 +73,45 @@ def model_axis() -> bool:
     return MODEL in jax.sharding.get_abstract_mesh().axis_names
 
 
+def _own(filename: str) -> bool:
+    """Whether `filename` is the model's own code (not jax's, flax's or zerojax's)."""
+    return not (filename.startswith(_HERE) or f"{os.sep}jax{os.sep}" in filename
+                or f"{os.sep}flax{os.sep}" in filename or f"{os.sep}contextlib" in filename)
+
+
 def _where(api: str) -> str:
-    """`api` and the first frame of the model's own code that reached it."""
+    """`api` and the innermost frame of the model's own code that reached it."""
     f = sys._getframe(1)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_HERE) or f"{os.sep}jax{os.sep}" in name
-                or f"{os.sep}flax{os.sep}" in name or f"{os.sep}contextlib" in name):
-            return f"{api} at {os.path.basename(name)}:{f.f_lineno} ({f.f_code.co_name})"
+    while f is not None and not _own(f.f_code.co_filename):
         f = f.f_back
-    return api
+    if f is None:
+        return api
+    return f"{api} at {os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+_FOREIGN = re.compile(r"Resource axis: (\S+) of (.*) is not found in mesh")
+
+
+@contextlib.contextmanager
+def foreign_axis_errors():
+    """jax's error for a constraint naming an axis the mesh lacks, raised by a function zerojax
+    does not see (`from jax.lax import with_sharding_constraint` keeps jax's own), as a
+    ModelError naming the hint, where the model wrote it and the fix."""
+    try:
+        yield
+    except ValueError as e:
+        m = _FOREIGN.search(str(e))
+        if m is None:
+            raise
+        own = [f for f in traceback.extract_tb(e.__traceback__) if _own(f.filename)]
+        at = f" at {os.path.basename(own[-1].filename)}:{own[-1].lineno} ({own[-1].name})" \
+            if own else ""
+        raise ModelError(
+            f"the sharding hint {m.group(2)} (with_sharding_constraint{at}) names the axis "
+            f"{m.group(1)!r}, which zerojax's mesh lacks, through a function zerojax does not "
+            f"see: a with_sharding_constraint imported by name (from jax.lax import ...) keeps "
+            f"jax's own; call it as jax.lax.with_sharding_constraint, whose names go through "
+            f"logical_axis_rules") from None
 
 
 def translate(spec, api: str, hints: Hints | None = None) -> P:
