@@ -166,7 +166,7 @@ def _constraint(x, shardings, *args, **kwargs):
     """`jax.lax.with_sharding_constraint` while a model is traced."""
     if _ACTIVE.get() is None:
         return _CONSTRAINT(x, shardings, *args, **kwargs)
-    if _IN_BOX.get():  # a box unboxed: zerojax lays the params out itself (see `_unplaced`)
+    if _IN_BOX.get() or shardings is None:  # a box unboxed: see `_unplaced`
         return x
 
     def one(y, sharding):
