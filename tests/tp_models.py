@@ -87,7 +87,8 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         x = shard(x + self.attn(self.norm1(x)), self.shd.act_btd)
-        h = jax.nn.gelu(self.up(self.norm2(x), out_sharding=self.shd.act_btf))
+        h = shard(jax.nn.gelu(self.up(self.norm2(x), out_sharding=self.shd.act_btf)),
+                  self.shd.act_btf)
         return shard(x + self.down(h, out_sharding=self.shd.act_btd), self.shd.act_btd)
 
 
