@@ -36,6 +36,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
+import flax
 import flax.linen as nn
 import jax
 from flax.core import meta
@@ -66,7 +67,11 @@ _CONSTRAINT = lax.with_sharding_constraint
 _CANONICAL = _impls.canonicalize_sharding
 _RESHARD_P = _pjit.reshard_p
 _NEW_MESH = _pjit._get_new_mesh
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerojax/
+# The code between the model's own and a hint's check: jax, flax, zerojax, contextlib.
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                   for m in (jax, flax)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.abspath(contextlib.__file__))
 
 
 def model_axis() -> bool:
@@ -75,8 +80,7 @@ def model_axis() -> bool:
 
 def _own(filename: str) -> bool:
     """Whether `filename` is the model's own code (not jax's, flax's or zerojax's)."""
-    return not (filename.startswith(_HERE) or f"{os.sep}jax{os.sep}" in filename
-                or f"{os.sep}flax{os.sep}" in filename or f"{os.sep}contextlib" in filename)
+    return not filename.startswith(_LIBRARIES)
 
 
 def _where(api: str) -> str:
