@@ -2,7 +2,9 @@
 update on the host, the same numbers as without offload."""
 
 import re
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +273,14 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
         assert all(len(in_place[i]) == 2 for i in big), in_place  # the argument, its update
     else:
         assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
+
+
+def test_a_units_gradient_can_go_to_the_host_inside_the_backward():
+    """experiments/grads_to_host.py: host-memory stand-ins moved to the device per unit send
+    each unit's reduced shard to the host right after its reduce-scatter, inside the backward
+    loop, with plain jax's numbers (the mechanism for gradients leaving the device as they
+    are produced; not yet the step's, see docs/performance.md)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import grads_to_host
+
+    grads_to_host.main()
