@@ -337,11 +337,17 @@ def _size(nbytes) -> str:
 
 def _peak(r: dict) -> str:
     """The device peak, and the host state beside it where there is one ("derived": the
-    backend reports no host bytes, so the state's memory kinds split them)."""
+    backend reports no host bytes, so the state's memory kinds split them); where the compiler
+    reports host bytes, the compiled host peak and its ratio to the host state (in place:
+    about 1 + the gradient and compute shards' share; the target is <= 1.25)."""
     text = _size(r.get("device_peak_bytes", r.get("peak_bytes")))
     if r.get("host_state_bytes"):
         derived = ", derived" if r.get("split") == "derived" else ""
-        text += f" (+ {_size(r['host_state_bytes'])} host{derived})"
+        text += f" (+ {_size(r['host_state_bytes'])} host{derived}"
+        if r.get("host_peak_bytes"):
+            text += (f"; host peak {_size(r['host_peak_bytes'])}, "
+                     f"{r['host_peak_bytes'] / r['host_state_bytes']:.2f}× the state")
+        text += ")"
     return text
 
 

@@ -376,6 +376,31 @@ def test_gpu_bench_largest_search_walks_from_the_estimate(tmp_path, monkeypatch)
         assert calls == expected
 
 
+@pytest.mark.parametrize("pinned_gb, start", [(64, "gpt-4b"), (110, "7b")])
+def test_gpu_bench_offload_search_starts_at_the_plans_prediction(tmp_path, monkeypatch,
+                                                                 pinned_gb, start):
+    """One 80 GB device on a 125 GB host: the offload probes start where `plan --largest`
+    predicts with XLA's pinned-host pool at its default (64 GiB: gpt-4b) or raised (110 GiB:
+    7b), and the report holds the prediction and the compiled host peak against the state."""
+    gb = _load_gpu_bench()
+    monkeypatch.setattr(gb, "_probe", lambda args, out, shape, variant: {
+        "shape": shape, "num_params": 1, "ok": shape == start, "peak_bytes": 1,
+        "host_state_bytes": 100, "host_peak_bytes": 110, "split": "measured",
+        "host_rss_peak_bytes": 2e9, "reason": "RESOURCE_EXHAUSTED"})
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_gb))
+    args = gb.parse_args(["--devices", "1", "--largest-variants", "stage3_offload",
+                          "--host-memory", "125e9"])
+    args.largest_batch, args.memory = 1, 80e9
+    gb.run_largest(args, tmp_path)
+    lg = json.loads((tmp_path / "largest.json").read_text())
+    r = lg["variants"]["stage3_offload"]
+    assert (r["estimate_start"], r["predicted"], r["largest"]) == (start, start, start)
+    assert (lg["host_memory_for_estimate"], lg["pinned_limit"]) == (125e9, pinned_gb << 30)
+    md = gb.markdown({"largest": lg})
+    assert f"| stage 3 + offload | {start} | {start} | 1 | 1 B (+ 100 B host; host peak 110 B, " \
+           f"1.10× the state) | 2.00 GB |" in md
+
+
 def test_gpu_bench_script_finds_the_project_venv(tmp_path):
     # A copy of the script beside a fake .venv/bin/python that logs its arguments.
     (tmp_path / "scripts").mkdir()
