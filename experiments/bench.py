@@ -116,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(and write each variant's optimized HLO text to DIR)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH (default: stdout)")
+    p.add_argument("--update-params", type=float, default=50e6,
+                   help=f"with {OFFLOAD}: also time the offloaded AdamW update alone on a shard "
+                        "of this many params against a memory copy in this process "
+                        "(experiments/update_bench.py); 0: not")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error(f"--repeats {args.repeats}: medians need at least 5 interleaved repeats")
@@ -705,6 +709,25 @@ def peak_flops(args, dev) -> float | None:
     return None if peak is None else peak * 1e12
 
 
+def offload_update(params: int, repeats: int, param_dtype: str) -> dict:
+    """experiments/update_bench.py's figures: the offloaded update's state traffic per second
+    next to np.copyto's, measured in this process."""
+    return _update_bench().measure(params, repeats, param_dtype=param_dtype)
+
+
+def update_table(update: dict) -> str:
+    return _update_bench().table(update)
+
+
+def _update_bench():
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # bench.py loaded by path (gpu_bench's probes, the tests)
+        sys.path.insert(0, here)
+    import update_bench
+
+    return update_bench
+
+
 def table(result: dict) -> str:
     cfg = result["config"]
     base = "× fsdp" if result["baseline"] == BASELINE else "× base"
@@ -759,6 +782,10 @@ def main(argv=None) -> dict:
         for name, v in variants.items():
             log(f"HLO stats {name}")
             res[name]["hlo"] = compiled_stats(v, args.hlo)
+    update = None
+    if OFFLOAD in todo and args.update_params:
+        log(f"offloaded update alone, {args.update_params:.3g} params")
+        update = offload_update(int(args.update_params), args.repeats, args.param_dtype)
     if args.profile:
         jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
         for name, v in variants.items():
@@ -780,10 +807,12 @@ def main(argv=None) -> dict:
                    "optimization_level": str(jax.config.jax_optimization_level),
                    "argv": sys.argv[1:]},
         "machine": info, "baseline": args.baseline, "variants": res,
-        "targets": targets(res, args.baseline),
+        "targets": targets(res, args.baseline), "offload_update": update,
     }
     if args.json is None or args.json != "-":
         print(table(result))
+        if update:
+            print(update_table(update))
     if args.json == "-":
         print(json.dumps(result, indent=1))
     elif args.json:
