@@ -1,0 +1,87 @@
+"""The delayed parameter update (`ZeroConfig(offload="optimizer", delayed_update=K)`) against
+a single-device optax loop with the same one-step delay (zerojax/delayed.py states the
+recurrence)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
+from test_state import BATCHES, Norm
+
+import zerojax as zj
+from zerojax.units import PlainUnits
+
+
+def delayed_reference(model, tx, batches, k, rng=0, **units):
+    """Single-device optax where step t >= k differentiates at the params before the previous
+    step's update: (losses, grad norms, final params with every update applied, model state).
+    `units`: PlainUnits' options (a compute dtype)."""
+    params = jax.jit(model.init)(jax.random.key(rng))
+    state = tx.init(params)
+    ms = model.init_state(None) if hasattr(model, "init_state") else None
+
+    @jax.jit
+    def step(params, ran_on, state, ms, batch):
+        def f(p):
+            u = PlainUnits(state=ms, **units)
+            return model.loss(p, batch, u).astype(jnp.float32), u.state
+
+        (loss, ms), g = jax.value_and_grad(f, has_aux=True)(ran_on)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, ms, loss, optax.tree.norm(g)
+
+    before, losses, norms = params, [], []  # before: the params before the last update
+    for t, b in enumerate(batches):
+        new, state, ms, loss, norm = step(params, params if t < k else before, state, ms, b)
+        before, params = params, new
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return np.array(losses), np.array(norms), params, ms
+
+
+def moved_error(params, ref, start) -> float:
+    """|params - ref| relative to how far the reference moved from `start` (L2, all leaves)."""
+    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64))))
+                       for x in jax.tree.leaves(t))
+    diff = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                        params, ref)
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                         ref, start)
+    return float(np.sqrt(sq(diff) / sq(moved)))
+
+
+def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=None, **cfg):
+    """The engine's run against `delayed_reference` (of `ref_model`, default `model`):
+    (engine, final state, params' error relative to the reference's move)."""
+    tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+    ref_losses, ref_norms, ref_params, ref_ms = delayed_reference(ref_model or model, tx,
+                                                                  batches, k)
+    eng = zj.Engine(model, optimizer, mesh, zj.ZeroConfig(
+        offload="optimizer", delayed_update=k, clip_norm=clip, **cfg))
+    losses, params, state = engine_run(eng, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(engine_run.norms, ref_norms, rtol=1e-4)
+    err = moved_error(params, ref_params, jax.jit(model.init)(jax.random.key(0)))
+    assert err <= 1e-5, f"params off by {err:.3g} of the reference's move"
+    if ref_ms is not None:
+        assert_tree_close(eng.model_state(state), ref_ms, rtol=1e-5, atol=1e-6)
+    return eng, state, err
+
+
+def gpt_batches(steps=5, batch=8):
+    return [gpt_batch(tiny_gpt().cfg, batch, s) for s in range(steps)]
+
+
+def test_delayed_update_with_model_state_matches_the_delayed_loop():
+    """The quick tier's point: stage 3 on 4 devices, K = 2, clipping, BatchNorm statistics."""
+    mesh = zj.make_mesh(data=4)
+    check_delayed(Norm(zj.batch_axes(mesh)), optax.adam(1e-2, eps=1e-6), BATCHES[:5], mesh,
+                  k=2, clip=1.0, ref_model=Norm(), stage=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_delayed_update_matches_the_delayed_single_device_loop(stage):
+    check_delayed(tiny_gpt(), adamw(), gpt_batches(), zj.make_mesh(data=4), stage=stage)
