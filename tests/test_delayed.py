@@ -9,9 +9,11 @@ import optax
 import pytest
 from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
 from test_model_axis import gpt as axis_gpt
+from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
 import zerojax as zj
+from zerojax.models import SeedMLP
 from zerojax.units import PlainUnits
 
 
@@ -125,3 +127,75 @@ def test_the_first_k_steps_are_plain_offloads_and_k0_runs_as_k1():
     assert abs(losses[3][3] - losses[None][3]) > 1e-4  # the fourth ran on stale params
     np.testing.assert_array_equal(losses[0], losses[1])  # step 0 has no update to wait for
     assert_bitwise(params[0], params[1])
+
+
+@pytest.mark.slow
+def test_a_skipped_step_leaves_nothing_pending():
+    """float16 loss scaling: the first steps overflow and are skipped. A skipped step's update
+    is skipped (nothing pending after it); the run then equals one that started at the scale
+    the skips left, from the untouched initial params."""
+    mesh = zj.make_mesh(data=2, replica=2)
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+
+    def engine(scale):
+        return zj.Engine(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, zj.ZeroConfig(
+            stage=3, param_dtype="float16", loss_scale_init=scale, clip_norm=5.0,
+            grad_accum=2, offload="optimizer", delayed_update=0))
+
+    eng = engine(2.0**17)
+    state, losses, skipped = eng.init(jax.random.key(0), batch), [], []
+    for _ in range(8):
+        state, m = eng.step(state, batch)
+        losses.append(float(m["loss"]))
+        skipped.append(int(m["skipped"]))
+        if skipped[-1]:
+            assert not bool(state.pending.ok)
+            assert all(not np.asarray(g).any() for g in jax.tree.leaves(state.pending.grads))
+    s = sum(skipped)
+    assert 0 < s < 8 and skipped == [1] * s + [0] * (8 - s)
+    assert bool(state.pending.ok)
+
+    again = engine(2.0**17 / 2**s)
+    state2, losses2 = again.init(jax.random.key(0), batch), []
+    for _ in range(8 - s):
+        state2, m = again.step(state2, batch)
+        losses2.append(float(m["loss"]))
+    np.testing.assert_array_equal(losses2, losses[s:])
+    assert_bitwise(again.params(state2), eng.params(state))
+    assert_bitwise(again.optimizer_state(state2), eng.optimizer_state(state))
+
+
+@pytest.mark.slow
+def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(tmp_path):
+    model, batches = tiny_gpt(), gpt_batches(5)
+
+    def engine(n, stage, k=1, replica=1):
+        return zj.Engine(model, adamw(), zj.make_mesh(data=n, replica=replica),
+                         zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer",
+                                       delayed_update=k))
+
+    eng = engine(4, 3)
+    state = eng.init(jax.random.key(0), batches[0])
+    losses = []
+    for t, b in enumerate(batches):
+        if t == 3:
+            eng.save(state, tmp_path / "ckpt")  # step 3: step 2's update is pending
+            saved = eng.params(state)
+        state, m = eng.step(state, b)
+        losses.append(float(m["loss"]))
+
+    other = engine(1, 1, replica=2)  # 4 devices at stage 3 -> 2 replicas at stage 1
+    restored = other.restore(tmp_path / "ckpt")
+    assert int(restored.step) == 3
+    assert_bitwise(other.params(restored), saved)  # the checkpoint's params: all applied
+    resumed = []
+    for b in batches[3:]:
+        restored, m = other.step(restored, b)
+        resumed.append(float(m["loss"]))
+    np.testing.assert_allclose(resumed, losses[3:], rtol=1e-5)
+    start = jax.jit(model.init)(jax.random.key(0))
+    assert moved_error(other.params(restored), eng.params(state), start) <= 1e-5
+
+    # Without the delay, a restore continues from the params with every update applied.
+    plain = engine(2, 2, k=None)
+    assert_bitwise(plain.params(plain.restore(tmp_path / "ckpt")), saved)

@@ -158,6 +158,14 @@ class Delay:
         """`applied`, jitted (the state is not donated)."""
         return self._cached("applied", lambda: jax.jit(self.applied))
 
+    def settled(self, state):
+        """`state` with the pending update applied to its master and optimizer state, its
+        compute params (those the next step runs on) as they are, and `pending` None: what a
+        checkpoint holds. (Applied inside the save's own program, the update's outputs were
+        seen with other bits by the checksums than by the arrays written, on XLA:CPU.)"""
+        master, opt_state, _ = self.applied_fn()(state)
+        return state._replace(master=master, opt_state=opt_state, pending=None)
+
     def step(self, state, batch):
         """The state's next step: ordinary while its step < K - 1, delayed from then on."""
         ref, n = self._last

@@ -384,8 +384,9 @@ class Engine:
         lag = None
         if self._delay:
             lag = lagging(self.plan, state.compute)
-            master, opt_state, _ = self._delay.applied(state)
-            state = state._replace(master=master, opt_state=opt_state)
+            if state.pending is not None:  # else settled already (Delay.settled)
+                master, opt_state, _ = self._delay.applied(state)
+                state = state._replace(master=master, opt_state=opt_state)
         if self.config.offload is not None:
             state = on_device(state)
         tree = {"params": self.layout.from_flat(state.master),
