@@ -8,11 +8,13 @@ import numpy as np
 import optax
 import pytest
 from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
+from jax.extend.core import Literal
 from test_model_axis import gpt as axis_gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
 import zerojax as zj
+from zerojax.mesh import put_batch
 from zerojax.models import SeedMLP
 from zerojax.units import PlainUnits
 
@@ -199,3 +201,51 @@ def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(tmp_path):
     # Without the delay, a restore continues from the params with every update applied.
     plain = engine(2, 2, k=None)
     assert_bitwise(plain.params(plain.restore(tmp_path / "ckpt")), saved)
+
+
+def _tainted(jaxpr, marked: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs `marked`: through jit and shard_map
+    bodies exactly, through anything else conservatively (every output of an equation that
+    reads a marked value)."""
+    bad = {v for v, m in zip(jaxpr.invars, marked) if m}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, Literal) and v in bad for v in eqn.invars]
+        inner = eqn.params.get("jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        if eqn.primitive.name in ("pjit", "jit", "shard_map") and inner is not None:
+            outs = _tainted(inner, ins)
+        else:
+            outs = [any(ins)] * len(eqn.outvars)
+        bad |= {v for v, m in zip(eqn.outvars, outs) if m}
+    return [not isinstance(v, Literal) and v in bad for v in jaxpr.outvars]
+
+
+def test_the_update_reads_nothing_the_backward_computes():
+    """In a delayed step the host's update (the new master and optimizer state) does not depend
+    on the batch, so XLA may run it beside the forward and backward; the pending gradient
+    does."""
+    mesh = zj.make_mesh(data=4)
+    eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
+        stage=3, offload="optimizer", delayed_update=0))
+    eng.init(jax.random.key(0), BATCHES[0])
+    state, batch = eng.abstract_state(), put_batch(BATCHES[0], mesh)
+    closed = jax.make_jaxpr(eng._compiled_step())(state, batch)
+    n = len(jax.tree.leaves(state))
+    out = jax.tree.unflatten(jax.tree.structure((state, {"x": 0})), _tainted(
+        closed.jaxpr, [False] * n + [True] * len(jax.tree.leaves(batch)))[:n] + [0])[0]
+    assert not any(jax.tree.leaves((out.master, out.opt_state)))
+    assert all(jax.tree.leaves(out.pending.grads)) and out.model_state["mean"]
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"stage": 3, "delayed_update": 2}, r"delayed_update=2 needs offload='optimizer' \(got "
+                                        r"offload=None\).*add offload='optimizer'"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": -1}, "must be an integer K >= 0"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": 2.0}, r"\(float\) must be an "
+                                                                  r"integer K >= 0"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": True}, r"\(bool\) must be"),
+])
+def test_bad_delayed_update_is_one_config_error(cfg, match):
+    with pytest.raises(zj.ConfigError, match=match):
+        zj.ZeroConfig(**cfg)
+    assert zj.ZeroConfig(stage=2, offload="optimizer", delayed_update=0).delayed_update == 0
