@@ -169,6 +169,11 @@ class Delay:
     def step(self, state, batch):
         """The state's next step: ordinary while its step < K - 1, delayed from then on."""
         ref, n = self._last
+        if isinstance(state.step, jax.core.Tracer):
+            raise NotImplementedError(
+                "engine.step with delayed_update picks the ordinary or the delayed program by "
+                "the state's step counter, which is not known inside an outer jax.jit or "
+                "scan; call engine.step outside jit (each call is one compiled program)")
         if ref() is not state.step:
             n = int(jax.device_get(state.step))  # once after init or restore: nothing queued
         new, metrics = self.step_fn(n >= self.k - 1)(state, batch)

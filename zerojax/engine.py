@@ -367,8 +367,8 @@ class Engine:
         """The optimizer state as single-device optax has it for the logical params (e.g. for
         `optax.contrib.schedule_free_eval_params`)."""
         offload = self.config.offload is not None
-        check_state(self, state)
         if self._delay:
+            check_state(self, state)
             state = state._replace(opt_state=self._delay.applied_fn()(state)[1])
         return jax.jit(lambda s: self.plan.update.logical(
             on_device(s).opt_state if offload else s.opt_state))(state)
