@@ -91,6 +91,7 @@ def test_delayed_update_with_model_state_matches_the_delayed_loop():
     (1, dict(data=4), {}), (3, dict(data=4), {}),
     (3, dict(replica=2, data=2), {}), (1, dict(replica=2, data=2), {}),
     (2, dict(data=2), dict(grad_accum=2)),
+    (3, dict(replica=2, data=2), dict(hpz=True)),
 ])
 def test_delayed_update_matches_the_delayed_single_device_loop(stage, mesh, cfg):
     eng, state, _ = check_delayed(tiny_gpt(), adamw(), gpt_batches(6), zj.make_mesh(**mesh),
