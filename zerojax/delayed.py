@@ -175,7 +175,7 @@ class Delay:
                 "the state's step counter, which is not known inside an outer jax.jit or "
                 "scan; call engine.step outside jit (each call is one compiled program)")
         if ref() is not state.step:
-            n = int(jax.device_get(state.step))  # once after init or restore: nothing queued
+            n = int(state.step)  # once after init or restore: nothing queued
         new, metrics = self.step_fn(n >= self.k - 1)(state, batch)
         self._last = (weakref.ref(new.step), n + 1)
         return new, metrics
