@@ -53,6 +53,9 @@ BASELINE = "gspmd_fsdp"
 HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
 FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 OFFLOAD = "stage3_offload"  # stage 3 with the optimizer state in host memory
+# ... with the delayed parameter update from the first step (delayed_update=0): the host's
+# update of step t-1 free to run beside step t's forward and backward
+OFFLOAD_DPU = "stage3_offload_dpu"
 # ZeRO++ (ZeroConfig's options), run when named in --variants: qwZ int8 weight gathers, qgZ
 # int4 gradient reductions, both, and both with hpZ on a replica 2 × data N/2 mesh.
 ZEROPP = {
@@ -406,6 +409,8 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
         # The fp32 master and Adam moments in pinned host memory, the update on the host.
         OFFLOAD: lambda: zero_variant(OFFLOAD, model, mesh, args, host_batch, 3,
                                       offload="optimizer"),
+        OFFLOAD_DPU: lambda: zero_variant(OFFLOAD_DPU, model, mesh, args, host_batch, 3,
+                                          offload="optimizer", delayed_update=0),
     }
     devices = list(mesh.devices.flat)
     makers[STAGE3_TP] = lambda: stage3_tp_variant(model, devices, args, host_batch)
@@ -589,11 +594,27 @@ def targets(res: dict, baseline: str = BASELINE) -> dict:
     if ok(FLOOR) and baseline == BASELINE:  # what a zero-overhead step would score
         t["floor_over_fsdp"] = res[FLOOR]["ratio"]
         t["floor_over_fsdp_cpu"] = res[FLOOR]["cpu_ratio"]
+    t.update(dpu_targets(res, ok, baseline))
     if all(ok(f"stage{s}") for s in (1, 2, 3)):
         for key, suffix in (("median_s", ""), ("paired_ratio", "_paired"), ("cpu_s", "_cpu")):
             vals = [res[f"stage{s}"][key] for s in (1, 2, 3)]
             t["stages_123_spread" + suffix] = max(vals) / min(vals) - 1
         t["stages_123_within_10pct"] = t["stages_123_spread"] <= 0.10
+    return t
+
+
+def dpu_targets(res: dict, ok, baseline: str) -> dict:
+    """The offloaded step with and without the delayed update: each against the baseline
+    (plain optax) and the delayed one against plain offload (median and paired)."""
+    t: dict = {}
+    for name in (OFFLOAD, OFFLOAD_DPU):
+        if ok(name):
+            t[f"{name}_over_{baseline}"] = res[name]["ratio"]
+    if ok(OFFLOAD) and ok(OFFLOAD_DPU):
+        a, b = res[OFFLOAD_DPU], res[OFFLOAD]
+        t[f"{OFFLOAD_DPU}_over_{OFFLOAD}"] = a["median_s"] / b["median_s"]
+        t[f"{OFFLOAD_DPU}_over_{OFFLOAD}_paired"] = float(np.median(
+            np.array(a["times_s"]) / np.array(b["times_s"])))
     return t
 
 

@@ -34,10 +34,12 @@ from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
 PARTS = ("bench", "overlap", "largest")
 PINNED_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # XLA:GPU's pinned-host pool, GiB
 OFFLOAD = "stage3_offload"  # bench.OFFLOAD: stage 3 with the optimizer state in host memory
+OFFLOAD_DPU = "stage3_offload_dpu"  # bench.OFFLOAD_DPU: ... and the delayed parameter update
 STAGES = [f"stage{s}" for s in range(4)]
 ZEROPP = ["stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_zeropp"]  # bench.ZEROPP
-VARIANTS = [*STAGES, OFFLOAD, *ZEROPP]
-LABELS = {OFFLOAD: "stage 3 + offload", "stage3_qwz": "stage 3 + qwZ int8",
+VARIANTS = [*STAGES, OFFLOAD, OFFLOAD_DPU, *ZEROPP]
+LABELS = {OFFLOAD: "stage 3 + offload", OFFLOAD_DPU: "stage 3 + offload, delayed update",
+          "stage3_qwz": "stage 3 + qwZ int8",
           "stage3_qgz": "stage 3 + qgZ int4", "stage3_qwz_qgz": "stage 3 + qwZ + qgZ",
           "stage3_zeropp": "stage 3 + qwZ + qgZ + hpZ (2 × N/2)"}
 

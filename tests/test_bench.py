@@ -92,7 +92,16 @@ def test_config_targets_and_table(run):
         "test", 2, 4, "bfloat16")
     assert "--xla_force_host_platform_device_count=2" in cfg["xla_flags"]
     assert result["machine"]["platform"] == "cpu"
-    t = result["targets"]
+    t = dict(result["targets"])
+    offload = {k: t.pop(k) for k in list(t) if k.startswith("stage3_offload")}
+    v = result["variants"]
+    if all(v[n]["status"] == "ok" for n in ("stage3_offload", "stage3_offload_dpu")):
+        dpu, off = v["stage3_offload_dpu"], v["stage3_offload"]
+        assert offload["stage3_offload_dpu_over_gspmd_fsdp"] == dpu["ratio"]
+        assert offload["stage3_offload_over_gspmd_fsdp"] == off["ratio"]
+        assert offload["stage3_offload_dpu_over_stage3_offload"] == pytest.approx(
+            dpu["median_s"] / off["median_s"])
+        assert offload["stage3_offload_dpu_over_stage3_offload_paired"] > 0
     assert set(t) == {"stage3_over_fsdp", "stage3_over_fsdp_paired", "stage3_over_fsdp_cpu",
                       "stage3_le_0.8x_fsdp", "stages_123_spread", "stages_123_spread_paired",
                       "stages_123_spread_cpu", "stages_123_within_10pct", "floor_over_fsdp",

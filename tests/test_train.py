@@ -136,6 +136,10 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "prefetch": ("--stage 2 --prefetch", "--prefetch needs --stage 3"),
     "offload": ("--stage 0 --offload optimizer",
                 "--offload optimizer needs --stage 1, 2 or 3 (got --stage 0)"),
+    "delayed update without offload": ("--stage 3 --delayed-update 2",
+                                       "--delayed-update 2 needs --offload optimizer"),
+    "delayed update": ("--offload optimizer --delayed-update -1",
+                       "--delayed-update=-1 must be a non-negative integer"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
     "model parallel vs devices": ("--devices 8 --model-parallel 3",
                                   "--model-parallel=3 does not divide the 8 devices of the run; "
@@ -272,6 +276,27 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     est = s["memory_per_device"]["estimate"]
     assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
     assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
+
+
+@pytest.mark.slow
+def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch):
+    """`--offload optimizer --delayed-update 1`: a resume from a step saved in the delayed phase
+    (on another stage) gives the uninterrupted run's losses."""
+    cfg = options.validate(options.parse_args(["--offload", "optimizer", "--delayed-update", "1"]))
+    assert (cfg.delayed_update, options.TrainConfig().delayed_update) == (1, None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    argv = ["--model", "test", "--batch", "8", "--eval-every", "0", "--data", str(tokens64),
+            "--devices", "4", "--steps", "4", "--save-every", "2", "--offload", "optimizer",
+            "--delayed-update", "1", "--quiet"]
+    assert train.main([*argv, "--stage", "3", "--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["config"]["delayed_update"] == 1 and s["steps_done"] == 4
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    (tmp_path / "b" / "metrics.jsonl").write_text("")
+    assert train.main([*argv, "--stage", "1", "--resume-step", "2",
+                       "--out", str(tmp_path / "b")]) == 0
+    np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a")[2:], rtol=1e-5)
 
 
 # Each optimizer but the default (which the other runs here use) once, each meeting another

@@ -26,7 +26,7 @@ CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
               "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype",
-              "quantize_weights", "quantize_grads")
+              "quantize_weights", "quantize_grads", "delayed_update")
 
 
 OPTIMIZER_HELP = ("Default adamw; a resume continues with the saved one. "
@@ -81,6 +81,9 @@ class TrainConfig:
     """Stage 3: gather layer i+1's parameters while layer i computes."""
     offload: Literal["optimizer"] | None = None
     """optimizer: keep the fp32 master and optimizer state in host memory (stages 1-3)."""
+    delayed_update: int | None = None
+    """With --offload: after K ordinary steps, each step's forward and backward run on the
+    params before the previous step's update, while the host computes that update (DPU)."""
     quantize_weights: Literal["int8"] | None = None
     """ZeRO++ qwZ (stages 1-3): gather params as block-quantized int8 (half of bf16's bytes)."""
     quantize_grads: Literal["int8", "int4"] | None = None
@@ -194,7 +197,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 # except the seed, which jax.random.key takes as int64.
 _INTS = {"steps": 1, "batch": 1, "replica": 1, "model_parallel": 1, "grad_accum": 1,
          "eval_batches": 1, "devices": 1, "seq_len": 1, "save_every": 0, "eval_every": 0,
-         "warmup": 0, "seed": 0, "resume_step": 1, "num_processes": 1, "process_id": 0}
+         "warmup": 0, "seed": 0, "delayed_update": 0, "resume_step": 1, "num_processes": 1,
+         "process_id": 0}
 INT_LIMIT, SEED_LIMIT = 2**31, 2**63
 
 
@@ -254,6 +258,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.offload is not None and cfg.stage == 0:
         raise UsageError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (got --stage 0): "
                          f"stage 0 has no optimizer shard to offload")
+    if cfg.delayed_update is not None and cfg.offload is None:
+        raise UsageError(f"--delayed-update {cfg.delayed_update} needs --offload optimizer: "
+                         f"the delay lets the host's update run while the device computes")
     if cfg.quantize_weights is not None and cfg.stage == 0:
         raise UsageError(f"--quantize-weights {cfg.quantize_weights} needs --stage 1, 2 or 3 "
                          f"(got --stage 0): stage 0 gathers no params; use --quantize-grads")

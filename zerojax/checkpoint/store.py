@@ -150,6 +150,8 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra= must be a JSON-serializable dict: {e}") from None
     layout, cfg = engine.layout, engine.config
+    if engine._delay:  # the pending update applied in a program of its own (delayed.py)
+        state = engine._delay.settled(state)
     to_logical, dtypes = _saver(engine)
     tree, sums = to_logical(state)
     if not allow_nonfinite:
@@ -340,7 +342,10 @@ def _match(engine, meta: dict, where: str):
     leaves = tuple(LeafSpec(d["path"], tuple(d["shape"]), bool(d["stacked"]))
                    for d in meta["params"])
     treedef = jax.tree.structure(model)
-    target = engine.logical_target(leaves, treedef)
+    # Saved with delayed_update: the params its next step runs on, which another engine reads
+    # (and checks) but continues without.
+    delayed = any(d["keys"][:1] == ["delayed"] for d in meta["scalars"])
+    target = engine.logical_target(leaves, treedef, delayed=delayed)
     diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
