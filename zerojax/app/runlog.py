@@ -123,6 +123,11 @@ class RunLog:
             self._flops[shapes] = flops_.step_flops(self.engine, batch)
         return self._flops[shapes]
 
+    def flush(self) -> None:
+        """Makes the records so far durable in every sink (TensorBoard's buffer written);
+        call it before saving a checkpoint, as `python -m zerojax train` does."""
+        self.writer.flush()
+
     def plot(self) -> None:
         """Redraws `loss.png` from the records so far (process 0)."""
         from zerojax.app.report import plot_losses

@@ -334,6 +334,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                            tokens=tokens_per_step, eval_loss=ev)
             show.update(rec)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                log.flush()  # the checkpoint's steps are in every sink before it commits
                 with saving(ckpt):
                     engine.save(state, ckpt, step + 1, wait=False, extra=extra)
                 saved.add(step + 1)
