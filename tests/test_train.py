@@ -193,6 +193,16 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "steps beyond the step counter": ("--steps 2147483648",
                                       "--steps=2147483648 must be a positive integer below "
                                       "2**31"),
+    "text for an integer": ("--model-parallel two", "--model-parallel='two' must be an integer"),
+    "text for a number": ("--peak-tflops abc", "--peak-tflops='abc' must be a number (or None)"),
+    "not a stage": ("--stage=5", "--stage='5' is not one of 0, 1, 2, 3"),
+    "not a dtype": ("--param-dtype fp8", "--param-dtype='fp8' is not one of float32, "
+                                         "bfloat16, float16"),
+    "no value": ("--steps --quiet", "--steps needs a value; see --help"),
+    "unknown option": ("--bogus 1", "Unrecognized options: --bogus, 1; see --help"),
+    "tensorboard is a file": ("--out {tmp}/tbfile",
+                              "{tmp}/tbfile/tensorboard' is a file, where the TensorBoard event "
+                              "files go; move it away or pass --no-tensorboard"),
     "data is a device": ("--data /dev/null",
                          "token file '/dev/null' is not a regular file; pass a .txt, .bin or "
                          ".npy file"),
@@ -211,6 +221,8 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, caps
     (tmp_path / "adam.toml").write_text('optimizer = "adam"\n')
     (tmp_path / "old" / "checkpoints" / "5").mkdir(parents=True)
     (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "tbfile").mkdir()
+    (tmp_path / "tbfile" / "tensorboard").write_text("x")
     (tmp_path / "garbage.npy").write_bytes(b"not a numpy file at all")
     np.save(tmp_path / "objects.npy", np.array([1, "two", None], dtype=object))
     ids = np.arange(100, dtype=np.int32) % 64

@@ -13,6 +13,7 @@ from typing import Any
 
 from zerojax.app.files import RunFileError, cannot_write, replace_file
 from zerojax.app.report import MetricsLog
+from zerojax.errors import ArgumentError
 
 # Record key -> tag, grouped as MaxText's TensorBoard scalars are.
 TAGS = {
@@ -65,8 +66,8 @@ class TensorBoardSink:
             old = sorted(directory.glob("events.out.tfevents.*"))
         except OSError as e:  # OUT/tensorboard is a file, or cannot be made
             raise RunFileError(f"cannot write TensorBoard event files in {directory}: "
-                               f"{_why(e, directory)}; move it away or pass "
-                               f"--no-tensorboard") from None
+                               f"{_why(e, directory)}; move it away, or turn TensorBoard "
+                               f"off (--no-tensorboard; RunLog(tensorboard=False))") from None
         # A suffix per start: two writers within one second would otherwise share a file name.
         self.writer = SummaryWriter(str(directory), purge_step=0 if old else None,
                                     flush_secs=10, filename_suffix=f".from{start}")
@@ -209,6 +210,15 @@ class MetricsWriter:
         return self.log.records
 
     def write(self, record: dict[str, Any]) -> None:
+        """Writes `record` to every sink; its step must follow the last record's (a resume
+        from step S drops the records after S first, so it goes on from S + 1)."""
+        last = self.log.records[-1]["step"] if self.log.records else None
+        if last is not None and record["step"] <= last:
+            raise ArgumentError(
+                f"step {record['step']} after step {last}: {self.log.path.name} takes each "
+                f"step once, in increasing order (an evaluation at a training step goes in "
+                f"that step's record, `eval_loss=`); to write steps after S again, reopen the "
+                f"log from S (RunLog(out, start=S)), which drops the later records")
         self.log.write(record)
         for sink in self.sinks:
             sink.write(record)

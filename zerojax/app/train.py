@@ -178,7 +178,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
-    from zerojax.app.runlog import RunLog
+    from zerojax.app.runlog import PeakWarning, RunLog, mesh_text, over_peak
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
@@ -282,7 +282,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     def evaluate(state) -> float:
         return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
 
-    title = f"{cfg.model}, stage {stage}, {len(devices)} devices"
+    title = f"{cfg.model}, stage {stage}, {len(devices)} devices ({mesh_text(mesh)})"
+    warnings.simplefilter("ignore", PeakWarning)  # said below as the CLI's own line
+    over_peak_said = False
     log = RunLog(out, engine, start=start, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                  config=extra["train_config"] | {"num_params": num_params,
                                                  "device_count": len(devices),
@@ -333,6 +335,10 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             rec = log.step(step + 1, metrics, seconds=dt, lr=float(schedule(step)),
                            tokens=tokens_per_step, eval_loss=ev)
             show.update(rec)
+            if rec.get("mfu", 0) > 1 and lead and not over_peak_said:
+                over_peak_said = True
+                print(f"zerojax train: warning: {over_peak(rec['mfu'], step + 1, peak)}",
+                      file=sys.stderr)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                 log.flush()  # the checkpoint's steps are in every sink before it commits
                 with saving(ckpt):
