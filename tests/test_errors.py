@@ -338,7 +338,10 @@ def test_throughput_and_peaks_refuse_what_they_cannot_measure():
 
 
 def test_run_log_warns_once_when_the_mfu_exceeds_100_percent(tmp_path):
-    from zerojax.app.runlog import PeakWarning
+    from zerojax.app.runlog import PeakWarning, mesh_text
+
+    assert mesh_text(zj.make_mesh(data=4, model=2)) == "data 4 × model 2"  # the plot's title
+    assert mesh_text(zj.make_mesh(data=8)) == "data 8"
 
     one = {"loss": 2.0, "grad_norm": 1.0}
     with zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9, flops_per_step=8e12,

@@ -510,16 +510,18 @@ def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, mon
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
     monkeypatch.setattr(*full_disk_after(1))
     ckpt = tmp_path / "checkpoints"
-    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "6",
-                       "--eval-every", "0", "--save-every", "2", "--out", str(tmp_path)])
+    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "24",
+                       "--eval-every", "0", "--save-every", "8", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1, err
     assert err.count("\n") == 1, err
-    assert err.startswith(f"zerojax train: error: cannot write step 4 to {ckpt}: no space left "
-                          f"on its device (")
+    assert err.startswith(f"zerojax train: error: cannot write step 16 to {ckpt}: no space "
+                          f"left on its device (")
     assert err.endswith(f"free); the steps saved there before are intact; last good "
-                        f"checkpoint: step 2 in {ckpt} (continue with --resume)\n")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
+                        f"checkpoint: step 8 in {ckpt} (continue with --resume)\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["8"]
+    # Found at a step after the failed save, not at the next save (the final one, step 24).
+    assert 16 <= records(tmp_path)[-1]["step"] < 24
 
 
 def on_a_full_disk(*args, fsize: int | None = None, enospc_after: int | None = None,
@@ -705,12 +707,18 @@ def test_thirty_steps_watched_in_tensorboard_and_wandb(tmp_path, tokens64, monke
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     r = zerojax("train", *[a for a in SMALL if a != "--quiet"], "--data", tokens64,
-                "--devices", 4, "--steps", 30, "--out", out,
+                "--devices", 4, "--steps", 30, "--out", out, "--peak-tflops", "1e-9",
                 *(["--wandb", "zerojax-tests"] if has_wandb else []))
     assert r.returncode == 0, r.stderr
+    # A peak below what the device runs: the MFU over 100 % is said once, in one line.
+    (warning,) = [line for line in r.stderr.splitlines() if "MFU" in line]
+    assert re.fullmatch(r"zerojax train: warning: MFU [\d.]+% at step 1 exceeds 100 %: the "
+                        r"peak it is against, 1e-09 TFLOP/s per device, is below what the "
+                        r"device runs; give the device's dense peak .*", warning), warning
     lines = r.stdout.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) >= 10 and all(" TFLOP/s/device  eta " in line for line in steps), lines
+    assert len(steps) >= 10 and all(re.search(r" TFLOP/s/device \(MFU [\d.]+%\)  eta ", line)
+                                    for line in steps), lines
     assert "TFLOP/s/device" in lines[-1] and lines[-1].startswith("done: step 30")
     tb = tensorboard_scalars(out)
     assert tb == logged(out)

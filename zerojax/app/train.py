@@ -174,6 +174,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
+    from zerojax import checkpoint
     from zerojax.analysis import flops
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
@@ -312,6 +313,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             if cfg.profile and step == start + 1:
                 profiling = out / "profile"
                 jax.profiler.start_trace(str(profiling))
+            # An asynchronous save that failed stops the run at the next step, not the next
+            # save; with several processes at the next save, where all of them wait for it.
+            if saved and pc == 1:
+                with saving(ckpt):
+                    checkpoint.check_saves(ckpt)
             t = time.perf_counter()
             state, metrics = engine.step(state, batch)
             if step + 1 < cfg.steps:  # the host builds the next batch while the device works
@@ -358,8 +364,6 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             if step not in saved and step > 0:
                 engine.save(state, ckpt, step, wait=True, extra=extra)
             if saved:
-                from zerojax import checkpoint
-
                 checkpoint.wait_until_finished(ckpt)
     except BaseException:
         log.close(failed=True)

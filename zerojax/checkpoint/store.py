@@ -101,6 +101,16 @@ def wait_until_finished(directory=None) -> None:
             _wait(key, mngr)
 
 
+def check_saves(directory=None) -> None:
+    """Raises the CheckpointError of an asynchronous save (to `directory`, or to any) that has
+    failed by now; returns at once while it is still writing. Cheap enough for every step: a
+    training loop that calls it learns of a failed save at the next step, not the next save."""
+    for key, (mngr, _) in list(_MANAGERS.items()):
+        if key in _PENDING and (directory is None or key == str(_dir(directory))) \
+                and not mngr.is_saving_in_progress():
+            _wait(key, mngr)
+
+
 def _wait(key: str, mngr) -> None:
     try:
         with writing(Path(key), _PENDING.pop(key, None)):
