@@ -290,32 +290,33 @@ def test_run_log_steps_increase_and_each_record_is_checked(tmp_path):
     import json
 
     one = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
-    with zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9) as log:
-        log.eval(0, 3.0)
-        log.step(5, one, seconds=0.1)
-        for step in (5, 3):  # a repeated step, an earlier one
-            with pytest.raises(zj.ArgumentError, match=rf"^step {step} after step 5: metrics."
-                                                       r"jsonl takes each step once"):
-                log.step(step, one, seconds=0.1)
-        with pytest.raises(zj.ArgumentError, match="^step 5 after step 5"):
-            log.eval(5, 1.0)
-        bad = {"step 'a'": (("a", one), "RunLog.step: step='a' must be a non-negative integer"),
-               "no loss": ((1, {}), "RunLog.step: metrics lack 'loss', 'grad_norm' (they have "
-                                    "[]); pass the dict engine.step returns"),
-               "an array": ((6, one | {"acc": np.zeros(3)}), "RunLog.step: metrics['acc']="),
-               "negative time": ((6, one), "RunLog.step: seconds=-1 must be a finite number")}
-        for case, (args, message) in bad.items():
-            with pytest.raises(zj.ArgumentError) as e:
-                log.step(*args, np.zeros((2, 4), np.int32),
-                         seconds=-1 if case == "negative time" else 0.1)
-            assert str(e.value).startswith(message), case
-        log.step(6, one, seconds=0.1)
+    # No sinks but metrics.jsonl, and no plot (matplotlib): nothing to close.
+    log = zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9)
+    log.eval(0, 3.0)
+    log.step(5, one, seconds=0.1)
+    for step in (5, 3):  # a repeated step, an earlier one
+        with pytest.raises(zj.ArgumentError, match=rf"^step {step} after step 5: metrics."
+                                                   r"jsonl takes each step once"):
+            log.step(step, one, seconds=0.1)
+    with pytest.raises(zj.ArgumentError, match="^step 5 after step 5"):
+        log.eval(5, 1.0)
+    bad = {"step 'a'": (("a", one), "RunLog.step: step='a' must be a non-negative integer"),
+           "no loss": ((1, {}), "RunLog.step: metrics lack 'loss', 'grad_norm' (they have "
+                                "[]); pass the dict engine.step returns"),
+           "an array": ((6, one | {"acc": np.zeros(3)}), "RunLog.step: metrics['acc']="),
+           "negative time": ((6, one), "RunLog.step: seconds=-1 must be a finite number")}
+    for case, (args, message) in bad.items():
+        with pytest.raises(zj.ArgumentError) as e:
+            log.step(*args, np.zeros((2, 4), np.int32),
+                     seconds=-1 if case == "negative time" else 0.1)
+        assert str(e.value).startswith(message), case
+    log.step(6, one, seconds=0.1)
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 5, 6]
     # Reopened from step 5 (a resume): step 6 is superseded, so it may be written again.
-    with zj.RunLog(tmp_path, start=5, tensorboard=False, plot_every=1e9) as log:
-        assert [r["step"] for r in log.records] == [0, 5]
-        log.step(6, one, seconds=0.2)
+    log = zj.RunLog(tmp_path, start=5, tensorboard=False, plot_every=1e9)
+    assert [r["step"] for r in log.records] == [0, 5]
+    log.step(6, one, seconds=0.2)
     assert [r["step"] for r in log.records] == [0, 5, 6] and log.records[2]["step_time_s"] == 0.2
 
 
@@ -344,13 +345,13 @@ def test_run_log_warns_once_when_the_mfu_exceeds_100_percent(tmp_path):
     assert mesh_text(zj.make_mesh(data=8)) == "data 8"
 
     one = {"loss": 2.0, "grad_norm": 1.0}
-    with zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9, flops_per_step=8e12,
-                   peak_tflops=1e-9) as log:
-        with pytest.warns(PeakWarning, match=r"^MFU .*% at step 1 exceeds 100 %: the peak it "
-                                             r"is against, 1e-09 TFLOP/s per device, is below"):
-            log.step(1, one, seconds=1.0)
-        import warnings
+    log = zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9, flops_per_step=8e12,
+                    peak_tflops=1e-9)
+    with pytest.warns(PeakWarning, match=r"^MFU .*% at step 1 exceeds 100 %: the peak it is "
+                                         r"against, 1e-09 TFLOP/s per device, is below"):
+        log.step(1, one, seconds=1.0)
+    import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            log.step(2, one, seconds=1.0)  # once per run
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.step(2, one, seconds=1.0)  # once per run

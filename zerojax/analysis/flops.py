@@ -52,6 +52,21 @@ PEAK_DTYPES = ("bfloat16", "float16")
 FORMULA = "6·N + 12·L·T·d per token (PaLM app. B)"  # N: params without the embeddings
 
 
+def formula(model) -> str:
+    """How `step_flops` counts `model`'s FLOPs, for a reader to check: the GPT's formula with
+    its N shown, else the compiled program's matrix products."""
+    n = getattr(model, "flops_params", None)
+    if n is None:
+        return "the compiled step's matrix products (remat included: hardware FLOPs)"
+    return f"{FORMULA}, N = {n():,} params without the embedding tables"
+
+
+def counts_model_flops(model) -> bool:
+    """Whether `step_flops` gives `model`'s model FLOPs (it has `flops_per_token`), not the
+    compiled program's (hardware FLOPs, whose utilization is HFU, not MFU)."""
+    return getattr(model, "flops_per_token", None) is not None
+
+
 def peak_tflops(device: jax.Device | str | None = None) -> float | None:
     """Dense bf16/fp16 peak TFLOP/s of one device (`device_kind` or a device; default the
     first device) from `PEAK_TFLOPS`; None where the device is not in the table (CPUs)."""

@@ -23,6 +23,9 @@ PLOT = "loss.png"
 # engine.step's metrics that a record leaves out: the record has skipped_steps instead of the
 # step's own flag, and `nonfinite` shows as a non-finite loss.
 _OWN = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite")
+# The throughput keys of a step counted from its compiled program (`step_flops` of a model
+# without `flops_per_token`): hardware FLOPs and their utilization, HFU.
+_PROGRAM = {"tflops_per_device": "program_tflops_per_device", "mfu": "hfu"}
 
 
 class RunLog:
@@ -112,10 +115,13 @@ class RunLog:
         rec["step_time_s"] = dt
         f = self._step_flops(batch)
         if f is not None and dt > 0:
-            rec |= flops_.throughput(f, dt, self.devices, self.peak)
-            if rec.get("mfu", 0) > 1 and not self._over_peak:
+            tp = flops_.throughput(f, dt, self.devices, self.peak)
+            if tp.get("mfu", 0) > 1 and not self._over_peak:
                 self._over_peak = True
-                warnings.warn(PeakWarning(over_peak(rec["mfu"], step, self.peak)), stacklevel=2)
+                warnings.warn(PeakWarning(over_peak(tp["mfu"], step, self.peak)), stacklevel=2)
+            if self._program_flops():  # hardware FLOPs: named so, never as model FLOPs
+                tp = {_PROGRAM[k]: v for k, v in tp.items()}
+            rec |= tp
         if "loss_scale" in values:  # float16's dynamic loss scaling
             self.skipped += int(values.get("skipped", 0))
             rec |= {"loss_scale": values["loss_scale"], "skipped_steps": self.skipped}
@@ -140,6 +146,10 @@ class RunLog:
         if self.lead and now - self._plotted >= self.plot_every:
             self.plot()
         self._last = time.perf_counter()  # the log's own time is no step's
+
+    def _program_flops(self) -> bool:
+        return (self.flops_per_step is None and self.engine is not None
+                and not flops_.counts_model_flops(self.engine.model))
 
     def _step_flops(self, batch) -> float | None:
         if self.flops_per_step is not None:

@@ -27,6 +27,10 @@ TAGS = {
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec",
     "tflops_per_device": "perf/per_device_tflops_per_sec",
     "mfu": "perf/mfu",
+    # A model without a FLOP formula is counted from its compiled program: hardware FLOPs,
+    # whose utilization is HFU (remat's recompute counts), under tags of their own.
+    "program_tflops_per_device": "perf/per_device_program_tflops_per_sec",
+    "hfu": "perf/hfu",
     "memory_bytes": "perf/device_memory_bytes_in_use",
     "peak_memory_bytes": "perf/device_memory_peak_bytes_in_use",
     "eval_loss": "eval/loss",

@@ -275,7 +275,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         + report.model_rows(engine)
         + report.memory_rows(estimate, measured, measured_host)
         + report.comm_rows(cfg, num_params, len(devices), split, model.cfg)
-        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.FORMULA}; "
+        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.formula(model)}; "
                      + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
                         else f"no MFU: {peak_from}"))]
         + [("note", n) for n in notes], "zerojax train"))
@@ -372,7 +372,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
-                             flops={"per_step": step_flops, "formula": flops.FORMULA,
+                             flops={"per_step": step_flops, "formula": flops.formula(model),
                                     "peak_tflops": peak, "peak_from": peak_from})
     if lead:
         report.finish(out, summary)
