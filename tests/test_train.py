@@ -128,7 +128,7 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "data extension": ("--data {tmp}/bad.json", "extension '.json'"),
     "resume without checkpoint": ("--resume --out {tmp}", "no checkpoint"),
     "existing checkpoints": ("--out {tmp}/old", "pass --resume"),
-    "seq-len": ("--seq-len 129", "context length 128"),
+    "seq-len": ("--seq-len 129", "exceeds the context length of preset 'nano', 128"),
     "vocab": ("--model test", "vocab_size 64"),
     "config key": ("--config {tmp}/bad.json", "unknown option(s) ['stepz']"),
     "config file": ("--config {tmp}/none.json", "config file not found"),
@@ -144,8 +144,8 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
                                          "--model-parallel=4 does not divide the 2 devices of a "
                                          "replica group"),
     "model parallel vs heads": ("--devices 8 --model-parallel 8",
-                                "--model-parallel=8 does not divide preset 'nano''s 4 attention "
-                                "heads (Megatron gives each model device whole heads)"),
+                                "--model-parallel=8 does not divide the 4 attention heads of "
+                                "preset 'nano' (Megatron gives each model device whole heads)"),
     "batch vs data-parallel devices": ("--devices 8 --model-parallel 2 --batch 6",
                                        "--batch=6 is not divisible by the 4 data-parallel "
                                        "devices; use a multiple of 4"),

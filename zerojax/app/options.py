@@ -311,8 +311,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ctx = PRESETS[cfg.model].seq_len
     seq_len = ctx if cfg.seq_len is None else cfg.seq_len
     if seq_len > ctx:
-        raise UsageError(f"--seq-len={seq_len} exceeds preset {cfg.model!r}'s context length "
-                         f"{ctx}")
+        raise UsageError(f"--seq-len={seq_len} exceeds the context length of preset "
+                         f"{cfg.model!r}, {ctx}")
     dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
     if any(v is not None for v in dist) and any(v is None for v in dist):
         raise UsageError("--coordinator, --num-processes and --process-id go together; give "
@@ -326,8 +326,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     heads = PRESETS[cfg.model].n_heads
     if heads % cfg.model_parallel:
-        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide preset "
-                         f"{cfg.model!r}'s {heads} attention heads (Megatron gives each model "
+        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide the {heads} "
+                         f"attention heads of preset {cfg.model!r} (Megatron gives each model "
                          f"device whole heads); use a divisor of {heads}")
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
