@@ -151,3 +151,18 @@ def test_a_full_disk_under_the_records_is_one_error_the_files_as_they_were(tmp_p
         log.write(record(3, 4.0))
     log.close(failed=True)  # a failed run closes quietly
     assert not hooked
+
+
+def test_a_resumed_run_log_counts_skipped_steps_on_from_the_last_record(tmp_path):
+    """float16's skipped steps are a running count: a log reopened from step 3 (a resume)
+    continues the count its last kept record holds, not from 0 nor from a superseded one."""
+    from zerojax.app.runlog import RunLog
+
+    def step(log, s, skipped):
+        m = {"loss": 1.0, "grad_norm": 1.0, "loss_scale": 2.0**15, "skipped": skipped}
+        return log.step(s, m, seconds=0.1)["skipped_steps"]
+
+    log = RunLog(tmp_path, tensorboard=False, plot_every=1e9)  # no sinks, no plot to close
+    assert [step(log, s, k) for s, k in ((1, 1), (2, 0), (3, 1), (4, 1))] == [1, 1, 2, 3]
+    log = RunLog(tmp_path, start=3, tensorboard=False, plot_every=1e9)
+    assert [step(log, s, k) for s, k in ((4, 0), (5, 1))] == [2, 3]
