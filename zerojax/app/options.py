@@ -20,6 +20,7 @@ import numpy as np
 import tyro
 
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
+from zerojax.app.files import not_a_directory
 from zerojax.models import PRESETS
 from zerojax.update.presets import HELP, OPTIMIZERS
 
@@ -413,12 +414,9 @@ def check_resume_before_steps(cfg: TrainConfig, start: int) -> None:
 
 
 def _make_writable_dir(out: Path) -> None:
-    for p in (out, *out.parents):  # the first one that exists must be a directory
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                where = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
-                raise UsageError(f"--out {str(out)!r} {where}; name a directory")
-            break
+    where = not_a_directory(out)
+    if where:
+        raise UsageError(f"--out {str(out)!r} {where}; name a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):  # access() can say yes where a write fails

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from zerojax.analysis import flops as flops_
-from zerojax.app.files import RunFileError
+from zerojax.app.files import RunFileError, not_a_directory
 from zerojax.app.sinks import MetricsWriter
 from zerojax.errors import ArgumentError, short
 
@@ -237,12 +237,9 @@ def _check_sinks(tensorboard, wandb, config) -> None:
 
 def make_run_dir(out: Path) -> None:
     """`out` as a directory (made here), else one RunFileError naming it and the fix."""
-    for p in (out, *out.parents):  # the first one that exists must be a directory
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                where = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
-                raise RunFileError(f"RunLog: out {str(out)!r} {where}; name a directory")
-            break
+    where = not_a_directory(out)
+    if where:
+        raise RunFileError(f"RunLog: out {str(out)!r} {where}; name a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
