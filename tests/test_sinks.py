@@ -70,6 +70,16 @@ def test_tensorboard_after_a_kill_holds_metrics_jsonl_whatever_was_flushed(tmp_p
     assert tensorboard_scalars(tmp_path)["learning/loss"][7] == np.float32(5.0 / 7)
 
 
+def test_tensorboard_keeps_the_old_files_when_metrics_jsonl_lacks_the_steps(tmp_path):
+    """metrics.jsonl deleted before a resume from step 4: the event files are the only record
+    of steps 1-4, so they stay, and only their steps after 4 are dropped."""
+    first = write(tmp_path, 0, range(1, 7), 4.0)
+    (tmp_path / "metrics.jsonl").unlink()
+    records = write(tmp_path, 4, range(5, 7), 8.0)
+    assert [r["step"] for r in records] == [5, 6]
+    assert tensorboard_scalars(tmp_path) == by_tag(first[:5] + records)
+
+
 def test_tensorboard_of_a_resume_after_a_run_without_it_starts_at_step_1(tmp_path):
     write(tmp_path, 0, range(1, 5), 4.0, tensorboard=False)
     assert not (tmp_path / "tensorboard").exists()

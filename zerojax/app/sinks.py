@@ -58,7 +58,9 @@ class TensorBoardSink:
     that replays `earlier` (the records a resume keeps), then removes the old files: whatever
     the killed process had flushed, each curve holds exactly the records of `metrics.jsonl`.
     The new file opens with a restart event at step 0 (`purge_step`), so a TensorBoard that
-    had read the old files drops their steps too."""
+    had read the old files drops their steps too. Only when `earlier` lacks the steps up to
+    `start` are the old files kept (less `start`'s later steps); a write that fails leaves
+    them as they were."""
 
     def __init__(self, directory: Path, start: int, earlier: list[dict[str, Any]]):
         from tensorboardX import SummaryWriter
@@ -72,15 +74,24 @@ class TensorBoardSink:
             raise RunFileError(f"cannot write TensorBoard event files in {directory}: "
                                f"{_why(e, directory)}; move it away, or turn TensorBoard "
                                f"off (--no-tensorboard; RunLog(tensorboard=False))") from None
+        # metrics.jsonl lacks steps up to `start` (deleted, or cut short): the old files are
+        # the better record, so they stay, their steps after `start` dropped (purged) instead.
+        keep = bool(start) and not (earlier and earlier[-1]["step"] >= start)
+        purge = (start + 1 if keep else 0) if old else None
         # A suffix per start: two writers within one second would otherwise share a file name.
-        self.writer = SummaryWriter(str(directory), purge_step=0 if old else None,
-                                    flush_secs=10, filename_suffix=f".from{start}")
+        self.writer = SummaryWriter(str(directory), purge_step=purge, flush_secs=10,
+                                    filename_suffix=f".from{start}")
         events = self.writer._get_file_writer().event_writer._ev_writer
         self.file = events._py_recordio_writer = _Guarded(events._py_recordio_writer)
-        for r in earlier:
-            self.write(r)
-        self.flush()
-        for f in old:  # only once the new file holds every record
+        try:
+            for r in [] if keep else earlier:
+                self.write(r)
+            self.flush()
+        except RunFileError:  # a full disk: the old files stay as they were, alone
+            self.writer.close()
+            Path(self.file.path).unlink(missing_ok=True)
+            raise
+        for f in [] if keep else old:  # only once the new file holds every record
             if f.name != Path(self.file.path).name:
                 f.unlink(missing_ok=True)
 
