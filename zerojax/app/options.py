@@ -9,16 +9,14 @@ import dataclasses
 import importlib.util
 import json
 import math
-import re
 import tempfile
-import types
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import tyro
 
+from zerojax.app.cmdline import check_values, one_line_errors
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
 from zerojax.app.files import not_a_directory
 from zerojax.models import PRESETS
@@ -147,9 +145,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     if path is not None:
         values = load_config_file(path)
         default = dataclasses.replace(default, **values, config=path)
-    check_values(argv)
+    check_values(argv, TrainConfig, UsageError)
     cfg = one_line_errors(lambda: tyro.cli(TrainConfig, args=argv, default=default,
-                                           prog="python -m zerojax train"))
+                                           prog="python -m zerojax train"), UsageError)
     # --resume-step implies --resume, so only an explicit "no" contradicts it: the last of
     # --resume / --no-resume on the command line, else the config file's resume = false.
     said = [a for a in argv if a in ("--resume", "--no-resume")]
@@ -159,83 +157,6 @@ def parse_args(argv: list[str]) -> TrainConfig:
         raise UsageError(f"{where} contradicts --resume-step={cfg.resume_step} (which resumes "
                          f"from that step); drop one of them")
     return cfg
-
-
-def check_values(argv: list[str]) -> None:
-    """Each `--option VALUE` of `argv` must be of its option's kind: an integer, a number or
-    one of its choices; else one UsageError naming it (not the parser's boxed report)."""
-    fields = typing.get_type_hints(TrainConfig)
-    i = 0
-    while i < len(argv):
-        arg, i = argv[i], i + 1
-        if not arg.startswith("--"):
-            continue
-        name, eq, value = arg[2:].partition("=")
-        kind = fields.get(name.replace("-", "_"))
-        if kind is None or _options_of(kind) is bool:
-            continue
-        if not eq:
-            if i >= len(argv) or argv[i].startswith("--"):
-                raise UsageError(f"--{name} needs a value; see --help")
-            value, i = argv[i], i + 1
-        _check_value(f"--{name}", value, kind)
-
-
-def _options_of(kind):
-    """The type of an option, None aside: `int | None` -> int."""
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return kind
-
-
-def _check_value(option: str, value: str, kind) -> None:
-    optional = type(None) in typing.get_args(kind)
-    if optional and value == "None":
-        return
-    kind = _options_of(kind)
-    if typing.get_origin(kind) is typing.Annotated:
-        kind = _options_of(typing.get_args(kind)[0])
-    if typing.get_origin(kind) is typing.Literal:
-        choices = [str(c) for c in typing.get_args(kind)]
-        if value not in choices:
-            raise UsageError(f"{option}={value!r} is not one of {', '.join(choices)}"
-                             + (" (or None)" if optional else ""))
-    elif kind in (int, float):
-        try:
-            kind(value)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise UsageError(f"{option}={value!r} must be {what}"
-                             + (" (or None)" if optional else "")) from None
-
-
-def one_line_errors(parse):
-    """`parse()` (tyro), its boxed report of a malformed command line (an unknown option, a
-    missing value) turned into one UsageError; --help still prints and exits."""
-    import contextlib
-    import io
-
-    text = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(text):
-            return parse()
-    except SystemExit as e:
-        if not e.code:
-            raise
-        # The box's title, then the message up to a rule (UTF-8 or ASCII drawing).
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", text.getvalue())
-        lines = [line.strip(" │╭╮╰╯") for line in plain.splitlines()]
-        lines = [line for line in lines if line][1:]  # the title aside
-        message = []
-        for line in lines:
-            rule = not line.strip("-─ ")
-            if (rule and message) or line.startswith("For full helptext"):
-                break
-            if not rule:
-                message.append(line)
-        raise UsageError(" ".join(message or ["malformed command line"]) + "; see --help") \
-            from None
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
