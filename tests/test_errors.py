@@ -1,6 +1,7 @@
 """Bad input gets one clear exception at the public boundary, naming the value and the fix."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -310,7 +311,7 @@ def test_run_log_steps_increase_and_each_record_is_checked(tmp_path):
             log.step(*args, np.zeros((2, 4), np.int32),
                      seconds=-1 if case == "negative time" else 0.1)
         assert str(e.value).startswith(message), case
-    log.step(6, one, seconds=0.1)
+    log.step(jnp.asarray(6, jnp.int32), one, seconds=0.1)  # state.step as it comes
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 5, 6]
     # Reopened from step 5 (a resume): step 6 is superseded, so it may be written again.

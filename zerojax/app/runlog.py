@@ -208,8 +208,12 @@ def over_peak(mfu: float, step: int, peak: float) -> str:
 
 
 def step_number(name: str, value, where: str = "RunLog") -> int:
-    """`value` as a step (a non-negative integer), else one ArgumentError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    """`value` as a step (a non-negative integer, or a 0-d integer array such as
+    `state.step`), else one ArgumentError."""
+    whole = isinstance(value, (int, np.integer)) or (
+        hasattr(value, "dtype") and np.ndim(value) == 0
+        and np.issubdtype(np.dtype(value.dtype), np.integer))
+    if isinstance(value, bool) or not whole or value < 0:
         raise ArgumentError(f"{where}: {name}={short(value)} must be a non-negative integer")
     return int(value)
 
