@@ -46,9 +46,10 @@ def _saved(out: Path) -> list[int]:
         else []
 
 
-def _saving(out: Path) -> bool:
+def _saving(out: Path) -> set[str]:
+    """orbax's temporary step directories: a save being written."""
     ckpt = out / "checkpoints"
-    return ckpt.is_dir() and any("tmp" in p.name for p in ckpt.iterdir())
+    return {p.name for p in ckpt.iterdir() if "tmp" in p.name} if ckpt.is_dir() else set()
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
@@ -85,8 +86,9 @@ def test_sigkill_at_three_points_then_resume_every_sink_holds_metrics_jsonl(tmp_
     _kill_when(proc, lambda: max(_saved(out)) > first)
     kills.append(max(_saved(out)))
     # Mid-save: orbax's temporary step directory is there, the step not yet committed.
+    left = _saving(out)  # a killed save's leftovers are not this process's save
     proc = _run(out, home, data, resume=True)
-    _kill_when(proc, lambda: _saving(out))
+    _kill_when(proc, lambda: bool(_saving(out) - left))
     kills.append(max(_saved(out)))
     assert (kills[0] >= 6 and kills[1] > 4), kills
     proc = _run(out, home, data, resume=True)
