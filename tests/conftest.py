@@ -43,7 +43,7 @@ SLOW_LONGEST_FIRST = ("test_train.py", "test_model_axis.py", "test_bench.py", "t
                       "test_optimizers_sharded.py", "test_checkpoint.py", "test_optimizers.py",
                       "test_published.py", "test_engine.py", "test_adapters.py",
                       "test_offload.py", "test_planning.py", "test_scripts.py",
-                      "test_compiled.py", "test_measure.py")
+                      "test_compiled.py", "test_measure.py", "test_kills.py")
 
 
 def pytest_collection_modifyitems(config, items):

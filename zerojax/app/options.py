@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import tyro
 
+from zerojax.app.cmdline import check_values, one_line_errors
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
+from zerojax.app.files import not_a_directory
 from zerojax.models import PRESETS
 from zerojax.update.presets import HELP, OPTIMIZERS
 
@@ -146,7 +148,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     if path is not None:
         values = load_config_file(path)
         default = dataclasses.replace(default, **values, config=path)
-    cfg = tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
+    check_values(argv, TrainConfig, UsageError)
+    cfg = one_line_errors(lambda: tyro.cli(TrainConfig, args=argv, default=default,
+                                           prog="python -m zerojax train"), UsageError)
     # --resume-step implies --resume, so only an explicit "no" contradicts it: the last of
     # --resume / --no-resume on the command line, else the config file's resume = false.
     said = [a for a in argv if a in ("--resume", "--no-resume")]
@@ -233,8 +237,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ctx = PRESETS[cfg.model].seq_len
     seq_len = ctx if cfg.seq_len is None else cfg.seq_len
     if seq_len > ctx:
-        raise UsageError(f"--seq-len={seq_len} exceeds preset {cfg.model!r}'s context length "
-                         f"{ctx}")
+        raise UsageError(f"--seq-len={seq_len} exceeds the context length of preset "
+                         f"{cfg.model!r}, {ctx}")
     dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
     if any(v is not None for v in dist) and any(v is None for v in dist):
         raise UsageError("--coordinator, --num-processes and --process-id go together; give "
@@ -248,8 +252,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     heads = PRESETS[cfg.model].n_heads
     if heads % cfg.model_parallel:
-        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide preset "
-                         f"{cfg.model!r}'s {heads} attention heads (Megatron gives each model "
+        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide the {heads} "
+                         f"attention heads of preset {cfg.model!r} (Megatron gives each model "
                          f"device whole heads); use a divisor of {heads}")
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
@@ -308,6 +312,10 @@ def check_run_dir(cfg: TrainConfig) -> None:
     directory already holds."""
     out = Path(cfg.out)
     _make_writable_dir(out)
+    tb = out / "tensorboard"
+    if cfg.tensorboard and tb.exists() and not tb.is_dir():
+        raise UsageError(f"{str(tb)!r} is a file, where the TensorBoard event files go; move "
+                         f"it away or pass --no-tensorboard")
     ckpt = out / CHECKPOINTS
     if ckpt.exists() and not ckpt.is_dir():
         raise UsageError(f"{str(ckpt)!r} is a file, not a checkpoint directory; move it away")
@@ -334,12 +342,9 @@ def check_resume_before_steps(cfg: TrainConfig, start: int) -> None:
 
 
 def _make_writable_dir(out: Path) -> None:
-    for p in (out, *out.parents):  # the first one that exists must be a directory
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                where = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
-                raise UsageError(f"--out {str(out)!r} {where}; name a directory")
-            break
+    where = not_a_directory(out)
+    if where:
+        raise UsageError(f"--out {str(out)!r} {where}; name a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):  # access() can say yes where a write fails
