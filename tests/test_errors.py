@@ -60,6 +60,22 @@ def test_mesh_larger_than_devices():
         zj.make_mesh(data=16, replica=2)
 
 
+def test_a_mesh_on_fewer_devices_than_exist_says_so(caplog):
+    """data=2 × model=3 on 8 devices leaves 2 idle: one warning naming the count, none when
+    `devices=` chose them."""
+    with caplog.at_level("WARNING", logger="zerojax"):
+        mesh = zj.make_mesh(data=2, model=3)
+    assert mesh.devices.size == 6
+    assert [r.getMessage() for r in caplog.records] == [
+        "mesh replica=1 × data=2 × model=3 uses 6 of the 8 devices (2 idle); pass "
+        "devices=jax.devices()[:6] to choose them"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zerojax"):
+        zj.make_mesh(data=2, model=3, devices=jax.devices()[:6])
+        zj.make_mesh(model=2)
+    assert not caplog.records
+
+
 def test_grad_accum_not_dividing_device_batch():
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)  # 2 per device on 4 devices
     with pytest.raises(zj.BatchError, match=r"per-device batch 2.*grad_accum=4"):
