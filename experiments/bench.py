@@ -53,6 +53,9 @@ BASELINE = "gspmd_fsdp"
 HINTED = "gspmd_fsdp_hinted"  # + activation/weight sharding constraints, as MaxText adds
 FLOOR = "floor"  # N independent replicas, no communication: the work any step must do
 OFFLOAD = "stage3_offload"  # stage 3 with the optimizer state in host memory
+# ... with the delayed parameter update from the first step (delayed_update=0): the host's
+# update of step t-1 free to run beside step t's forward and backward
+OFFLOAD_DPU = "stage3_offload_dpu"
 # ZeRO++ (ZeroConfig's options), run when named in --variants: qwZ int8 weight gathers, qgZ
 # int4 gradient reductions, both, and both with hpZ on a replica 2 × data N/2 mesh.
 ZEROPP = {
@@ -116,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(and write each variant's optimized HLO text to DIR)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH (default: stdout)")
+    p.add_argument("--update-params", type=float, default=50e6,
+                   help=f"with {OFFLOAD}: also time the offloaded AdamW update alone on a shard "
+                        "of this many params against a memory copy in this process "
+                        "(experiments/update_bench.py); 0: not")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error(f"--repeats {args.repeats}: medians need at least 5 interleaved repeats")
@@ -402,6 +409,8 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
         # The fp32 master and Adam moments in pinned host memory, the update on the host.
         OFFLOAD: lambda: zero_variant(OFFLOAD, model, mesh, args, host_batch, 3,
                                       offload="optimizer"),
+        OFFLOAD_DPU: lambda: zero_variant(OFFLOAD_DPU, model, mesh, args, host_batch, 3,
+                                          offload="optimizer", delayed_update=0),
     }
     devices = list(mesh.devices.flat)
     makers[STAGE3_TP] = lambda: stage3_tp_variant(model, devices, args, host_batch)
@@ -585,11 +594,27 @@ def targets(res: dict, baseline: str = BASELINE) -> dict:
     if ok(FLOOR) and baseline == BASELINE:  # what a zero-overhead step would score
         t["floor_over_fsdp"] = res[FLOOR]["ratio"]
         t["floor_over_fsdp_cpu"] = res[FLOOR]["cpu_ratio"]
+    t.update(dpu_targets(res, ok, baseline))
     if all(ok(f"stage{s}") for s in (1, 2, 3)):
         for key, suffix in (("median_s", ""), ("paired_ratio", "_paired"), ("cpu_s", "_cpu")):
             vals = [res[f"stage{s}"][key] for s in (1, 2, 3)]
             t["stages_123_spread" + suffix] = max(vals) / min(vals) - 1
         t["stages_123_within_10pct"] = t["stages_123_spread"] <= 0.10
+    return t
+
+
+def dpu_targets(res: dict, ok, baseline: str) -> dict:
+    """The offloaded step with and without the delayed update: each against the baseline
+    (plain optax) and the delayed one against plain offload (median and paired)."""
+    t: dict = {}
+    for name in (OFFLOAD, OFFLOAD_DPU):
+        if ok(name):
+            t[f"{name}_over_{baseline}"] = res[name]["ratio"]
+    if ok(OFFLOAD) and ok(OFFLOAD_DPU):
+        a, b = res[OFFLOAD_DPU], res[OFFLOAD]
+        t[f"{OFFLOAD_DPU}_over_{OFFLOAD}"] = a["median_s"] / b["median_s"]
+        t[f"{OFFLOAD_DPU}_over_{OFFLOAD}_paired"] = float(np.median(
+            np.array(a["times_s"]) / np.array(b["times_s"])))
     return t
 
 
@@ -705,6 +730,25 @@ def peak_flops(args, dev) -> float | None:
     return None if peak is None else peak * 1e12
 
 
+def offload_update(params: int, repeats: int, param_dtype: str) -> dict:
+    """experiments/update_bench.py's figures: the offloaded update's state traffic per second
+    next to np.copyto's, measured in this process."""
+    return _update_bench().measure(params, repeats, param_dtype=param_dtype)
+
+
+def update_table(update: dict) -> str:
+    return _update_bench().table(update)
+
+
+def _update_bench():
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # bench.py loaded by path (gpu_bench's probes, the tests)
+        sys.path.insert(0, here)
+    import update_bench
+
+    return update_bench
+
+
 def table(result: dict) -> str:
     cfg = result["config"]
     base = "× fsdp" if result["baseline"] == BASELINE else "× base"
@@ -759,6 +803,10 @@ def main(argv=None) -> dict:
         for name, v in variants.items():
             log(f"HLO stats {name}")
             res[name]["hlo"] = compiled_stats(v, args.hlo)
+    update = None
+    if OFFLOAD in todo and args.update_params:
+        log(f"offloaded update alone, {args.update_params:.3g} params")
+        update = offload_update(int(args.update_params), args.repeats, args.param_dtype)
     if args.profile:
         jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
         for name, v in variants.items():
@@ -780,10 +828,12 @@ def main(argv=None) -> dict:
                    "optimization_level": str(jax.config.jax_optimization_level),
                    "argv": sys.argv[1:]},
         "machine": info, "baseline": args.baseline, "variants": res,
-        "targets": targets(res, args.baseline),
+        "targets": targets(res, args.baseline), "offload_update": update,
     }
     if args.json is None or args.json != "-":
         print(table(result))
+        if update:
+            print(update_table(update))
     if args.json == "-":
         print(json.dumps(result, indent=1))
     elif args.json:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -31,11 +32,14 @@ from zerojax.analysis.largest import gpt_family, largest  # noqa: E402
 from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
 
 PARTS = ("bench", "overlap", "largest")
+PINNED_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # XLA:GPU's pinned-host pool, GiB
 OFFLOAD = "stage3_offload"  # bench.OFFLOAD: stage 3 with the optimizer state in host memory
+OFFLOAD_DPU = "stage3_offload_dpu"  # bench.OFFLOAD_DPU: ... and the delayed parameter update
 STAGES = [f"stage{s}" for s in range(4)]
 ZEROPP = ["stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_zeropp"]  # bench.ZEROPP
-VARIANTS = [*STAGES, OFFLOAD, *ZEROPP]
-LABELS = {OFFLOAD: "stage 3 + offload", "stage3_qwz": "stage 3 + qwZ int8",
+VARIANTS = [*STAGES, OFFLOAD, OFFLOAD_DPU, *ZEROPP]
+LABELS = {OFFLOAD: "stage 3 + offload", OFFLOAD_DPU: "stage 3 + offload, delayed update",
+          "stage3_qwz": "stage 3 + qwZ int8",
           "stage3_qgz": "stage 3 + qgZ int4", "stage3_qwz_qgz": "stage 3 + qwZ + qgZ",
           "stage3_zeropp": "stage 3 + qwZ + qgZ + hpZ (2 × N/2)"}
 
@@ -61,6 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "device)")
     p.add_argument("--memory", type=float, default=None,
                    help="device bytes for the planner's first guess (default: the device's)")
+    p.add_argument("--host-memory", type=float, default=None,
+                   help="host bytes for the planner's offload guess (default: this machine's "
+                        "physical memory)")
+    p.add_argument("--pinned-limit-gb", type=int, default=None,
+                   help="XLA:GPU's pinned-host pool for the probes, in GiB (sets "
+                        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB; default: that variable if set, "
+                        "else 90%% of the host memory: XLA's own default, 64 GiB, holds less "
+                        "than offload's host peak of a 7b model)")
+    p.add_argument("--update-params", type=float, default=50e6,
+                   help="bench part, with stage3_offload: the offloaded AdamW update alone on "
+                        "a shard of this many params against a memory copy (0: not)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per child process")
     p.add_argument("--probe", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -108,7 +123,8 @@ def run_bench(args, out: Path, overlap: str) -> bool:
            "--devices", str(args.devices), "--batch", str(args.batch),
            "--repeats", str(args.repeats), "--steps-per-repeat", str(args.steps_per_repeat),
            "--baseline", base, "--variants", base, *args.variants, "--sequential",
-           "--overlap", overlap, "--json", str(out / f"{name}.json")]
+           "--overlap", overlap, "--json", str(out / f"{name}.json"),
+           "--update-params", str(args.update_params if overlap == "off" else 0)]
     (out / f"{name}.json").unlink(missing_ok=True)  # a failed run leaves no stale figures
     proc = child(cmd, args.timeout, out / f"{name}.log")
     if proc.returncode:
@@ -150,6 +166,9 @@ def probe(args) -> dict:
         out.update(ok=True, loss=float(np.mean(m["loss"])))
     except Exception as e:  # noqa: BLE001 -- out of memory, mostly: the answer, not a failure
         out.update(ok=False, reason=bench._reason(e))
+    # The process's peak resident memory: the host side of offload (pinned buffers included),
+    # to hold against the host state (target: <= 1.25x).
+    out["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
@@ -158,6 +177,8 @@ def run_largest(args, out: Path) -> None:
     family = shapes(args)
     names = list(family)
     memory = args.memory or _device_memory(out)
+    host = args.host_memory or _host_memory()
+    pinned = int(os.environ.get(PINNED_ENV, "64")) << 30  # XLA's default where unset
     batch_per_device = args.largest_batch // args.devices
     results = {}
     for variant in args.largest_variants:
@@ -166,7 +187,9 @@ def run_largest(args, out: Path) -> None:
             stage = 0 if variant == "optax" else int(variant[len("stage")])
             offload = "optimizer" if variant == OFFLOAD else None
             row = largest(args.devices, memory, batch_per_device=batch_per_device,
-                          stages=(stage,), remat=(True,), family=family, offload=offload)[0]
+                          stages=(stage,), remat=(True,), family=family, offload=offload,
+                          host_memory=host if offload else None,
+                          pinned=pinned // args.devices if offload else None)[0]
             start = names.index(row["fits"].name) if row["fits"] else 0
         probes: dict[str, dict] = {}
         i = start
@@ -185,10 +208,12 @@ def run_largest(args, out: Path) -> None:
                   and (best is None or names.index(n) > names.index(best))]
         results[variant] = {"largest": best, "first_failing": bigger[0] if bigger else None,
                             "estimate_start": names[start], "probes": probes,
-                            "top_of_search": best == names[-1]}
+                            "top_of_search": best == names[-1],
+                            "predicted": row["fits"].name if memory and row["fits"] else None}
     (out / "largest.json").write_text(json.dumps(
         {"devices": args.devices, "batch": args.largest_batch, "memory_for_estimate": memory,
-         "shapes": names, "variants": results}, indent=1))
+         "host_memory_for_estimate": host, "pinned_limit": pinned, "shapes": names,
+         "variants": results}, indent=1))
 
 
 def _probe(args, out: Path, shape: str, variant: str) -> dict:
@@ -201,6 +226,10 @@ def _probe(args, out: Path, shape: str, variant: str) -> dict:
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
     return {"shape": shape, "variant": variant, "ok": False,
             "reason": f"process exited {proc.returncode}: {tail}"}
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device_memory(out: Path) -> float | None:
@@ -263,21 +292,42 @@ def markdown(parts: dict) -> str:
                              f"{r['tokens_per_s']:,.0f} | {mfu} | {r['ratio']:.3f} | "
                              f"{_peak(r)} |")
         lines.append("")
+        update = runs[0].get("offload_update")
+        if update:
+            lines += ["## The offloaded update alone", "",
+                      f"AdamW on a {update['params']:,}-param shard in pinned host memory, "
+                      f"{update['bytes_per_update'] / 1e9:.2f} GB read + written per update "
+                      f"(experiments/update_bench.py), against np.copyto of the same bytes on "
+                      f"this host ({update['cores']} cores), medians of {update['repeats']}:", "",
+                      "| what | GB/s | × the best copy | ms |", "|---|---:|---:|---:|"]
+            best = max(update["copy_bytes_per_s"].values())
+            for name, bw in update["copy_bytes_per_s"].items():
+                lines.append(f"| np.copyto, {name} | {bw / 1e9:.2f} | {bw / best:.2f} | |")
+            for name, u in update["update"].items():
+                lines.append(f"| update, {name} | {u['bytes_per_s'] / 1e9:.2f} | "
+                             f"{u['ratio_to_copy']:.2f} | {u['median_s'] * 1e3:.1f} |")
+            lines.append("")
     if "largest" in parts:
         lg = parts["largest"]
         lines += ["## Largest GPT that steps", "",
                   f"Batch {lg['batch']} ({lg['batch'] // lg['devices']} per device) on "
                   f"{lg['devices']} device(s); shapes searched from the planner's estimate "
                   f"(`zerojax plan --largest`) up while a shape steps, down while it does not.",
-                  "", "| variant | largest that steps | params | peak | next larger | why not |",
-                  "|---|---|---:|---:|---|---|"]
+                  f"Offload's host: the planner's host memory "
+                  f"{_size(lg.get('host_memory_for_estimate'))}, XLA:GPU's pinned-host pool "
+                  f"{_size(lg.get('pinned_limit'))} ({PINNED_ENV}); host RSS peak: the probe "
+                  f"process's peak resident memory.",
+                  "", "| variant | largest that steps | predicted | params | peak | host RSS peak "
+                  "| next larger | why not |", "|---|---|---|---:|---:|---:|---|---|"]
         for variant, r in lg["variants"].items():
             best = r["probes"].get(r["largest"]) if r["largest"] else None
             fail = r["probes"].get(r["first_failing"]) if r["first_failing"] else None
             params = f"{best['num_params']:,}" if best else "-"
             top = " (the largest searched)" if r["top_of_search"] else ""
+            rss = _size(best.get("host_rss_peak_bytes")) if best else "-"
             lines.append(f"| {LABELS.get(variant, variant)} | {r['largest'] or 'none'}{top} | "
-                         f"{params} | {_peak(best) if best else '-'} | "
+                         f"{r.get('predicted') or '-'} | {params} | "
+                         f"{_peak(best) if best else '-'} | {rss} | "
                          f"{r['first_failing'] or '-'} | {fail['reason'] if fail else '-'} |")
         lines.append("")
     return "\n".join(lines)
@@ -289,11 +339,17 @@ def _size(nbytes) -> str:
 
 def _peak(r: dict) -> str:
     """The device peak, and the host state beside it where there is one ("derived": the
-    backend reports no host bytes, so the state's memory kinds split them)."""
+    backend reports no host bytes, so the state's memory kinds split them); where the compiler
+    reports host bytes, the compiled host peak and its ratio to the host state (in place:
+    about 1 + the gradient and compute shards' share; the target is <= 1.25)."""
     text = _size(r.get("device_peak_bytes", r.get("peak_bytes")))
     if r.get("host_state_bytes"):
         derived = ", derived" if r.get("split") == "derived" else ""
-        text += f" (+ {_size(r['host_state_bytes'])} host{derived})"
+        text += f" (+ {_size(r['host_state_bytes'])} host{derived}"
+        if r.get("host_peak_bytes"):
+            text += (f"; host peak {_size(r['host_peak_bytes'])}, "
+                     f"{r['host_peak_bytes'] / r['host_state_bytes']:.2f}× the state")
+        text += ")"
     return text
 
 
@@ -306,6 +362,9 @@ def main(argv=None) -> int:
                          f"be multiples of --devices {args.devices}")
     # XLA:GPU preallocates 75% of the device by default; the figures should see nearly all.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if args.pinned_limit_gb:
+        os.environ[PINNED_ENV] = str(args.pinned_limit_gb)
+    os.environ.setdefault(PINNED_ENV, str(int(0.9 * _host_memory()) >> 30))
     if args.probe:
         print(json.dumps(probe(args)), flush=True)
         return 0

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 
 import jax
 import numpy as np
@@ -157,40 +158,28 @@ def tensorboard_scalars(out, path=None) -> dict[str, dict[int, float]]:
 
 
 def wandb_history(out) -> list[dict]:
-    """The offline W&B runs in `out/wandb`, oldest first: each one's id, project, config and
-    history ({tag: {step: value}}), from its transaction log (`run-ID.wandb`).
-
-    wandb has no reader for these files: they are LevelDB log blocks (32 KiB; 7-byte record
-    headers: CRC, length, type full/first/middle/last) after a 7-byte ":W&B" header, holding
-    `wandb_internal_pb2.Record`s."""
+    """The offline W&B runs in `out/wandb` (not its `superseded/`), oldest first: each one's
+    id, project, config and history ({tag: {step: value}}), from its transaction log
+    (`run-ID.wandb`) as W&B's own reader (`wandb leet inspect --json`) gives its records."""
     import json
-    import struct
+    import subprocess
+    import sys
 
     import wandb
-    from wandb.proto import wandb_internal_pb2
 
     wandb.teardown()  # `finish` leaves the writing to wandb's service; this waits for it
     runs = []
     for path in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
-        data, pos, part, run = path.read_bytes(), 7, b"", {"history": {}, "config": {}}
-        assert data[:4] == b":W&B", path
-        while pos + 7 <= len(data):
-            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-                pos += 32768 - pos % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
-            if kind not in (1, 4):  # full, or the last piece of a record
-                continue
-            r = wandb_internal_pb2.Record()
-            r.ParseFromString(part)
-            part = b""
-            if r.WhichOneof("record_type") == "run":
-                run |= {"id": r.run.run_id, "project": r.run.project}
-                run["config"] |= {u.key: json.loads(u.value_json) for u in r.run.config.update}
-            elif r.WhichOneof("record_type") == "history":
-                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                       for i in r.history.item}
+        lines = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json",
+                                str(path)], capture_output=True, text=True, check=True,
+                               env=dict(os.environ, WANDB_MODE="offline")).stdout
+        run = {"history": {}, "config": {}}
+        for r in map(json.loads, lines.splitlines()):
+            if r["type"] == "run":
+                run |= {"id": r["run"]["run_id"], "project": r["run"]["project"]}
+                run["config"] |= r["run"].get("config", {}).get("update", {})
+            elif r["type"] == "history":
+                row = dict(r["history"]["item"])
                 step = row.pop("_step")
                 for tag, v in row.items():
                     if not tag.startswith("_"):

@@ -268,6 +268,11 @@ def test_offload_splits_device_and_host_bytes_zero_figure_1():
         plain = estimate(psi, n, s)
         assert (m.params, m.grads, m.total + m.host) == (plain.params, plain.grads, plain.total)
     assert state_estimate(psi, n, 3, offload="optimizer") == by_stage[3]
+    # The host's peak while the update runs in place: the state, the bf16 gradient shard that
+    # came down and the bf16 compute shard that goes up, 16Ψ/N = 1.875 GB.
+    assert {m.host_peak for m in by_stage.values()} == {16 * psi / n} == {1.875 * GB}
+    assert by_stage[3].as_dict()["host_peak"] == 1.875 * GB
+    assert "host_peak" not in estimate(psi, n, 3).as_dict() and estimate(psi, n, 3).host_peak == 0
 
 
 def test_offload_float32_keeps_a_compute_copy_on_the_device():
@@ -299,6 +304,7 @@ def test_offload_table_and_memory_rows():
     assert [r["stage"] for r in rows] == ["0", "1 + offload", "2 + offload", "3 + offload"]
     assert (rows[0]["host"], rows[3]["host"], rows[3]["total"]) == ("0 B", "1.41 GB", "469 MB")
     assert rows[3]["host<->device"] == "469 MB" and rows[3]["saving"] == "99.6%"
+    assert (rows[0]["host peak"], rows[3]["host peak"]) == ("0 B", "1.88 GB")
     est = estimate_for(875_264, 4, 3, types.SimpleNamespace(param_dtype="bfloat16", replica=1,
                                                            offload="optimizer"))
     assert memory_rows(est, 3_063_424 + 16, 2_625_792) == [

@@ -35,7 +35,8 @@ def run(tmp_path_factory):
     fast = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast}
     cmd = [sys.executable, str(BENCH), "--preset", "test", "--devices", "2", "--batch", "4",
-           "--repeats", "5", "--steps-per-repeat", "1", "--json", str(out)]
+           "--repeats", "5", "--steps-per-repeat", "1", "--update-params", "1e5",
+           "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stdout
@@ -50,6 +51,9 @@ def test_every_variant_reports_positive_ratios(run):
         n for n, v in variants.items() if v["status"] == "ok"}
     assert "stage3_prefetch" in variants  # measured, or n/a with the reason
     assert "stage3_offload" in variants
+    update = result["offload_update"]  # with stage3_offload: its update alone, and a copy
+    assert update["params"] == 100_000 and update["bytes_per_update"] == 28 * 100_000 + 8
+    assert all(r["bytes_per_s"] > 0 for r in update["update"].values())
     off = variants["stage3_offload"]
     if off["status"] == "ok" and off["host_state_bytes"]:  # the engine offloads: peak apart
         assert off["device_peak_bytes"] == off["peak_bytes"] - off["host_state_bytes"]
@@ -88,7 +92,16 @@ def test_config_targets_and_table(run):
         "test", 2, 4, "bfloat16")
     assert "--xla_force_host_platform_device_count=2" in cfg["xla_flags"]
     assert result["machine"]["platform"] == "cpu"
-    t = result["targets"]
+    t = dict(result["targets"])
+    offload = {k: t.pop(k) for k in list(t) if k.startswith("stage3_offload")}
+    v = result["variants"]
+    if all(v[n]["status"] == "ok" for n in ("stage3_offload", "stage3_offload_dpu")):
+        dpu, off = v["stage3_offload_dpu"], v["stage3_offload"]
+        assert offload["stage3_offload_dpu_over_gspmd_fsdp"] == dpu["ratio"]
+        assert offload["stage3_offload_over_gspmd_fsdp"] == off["ratio"]
+        assert offload["stage3_offload_dpu_over_stage3_offload"] == pytest.approx(
+            dpu["median_s"] / off["median_s"])
+        assert offload["stage3_offload_dpu_over_stage3_offload_paired"] > 0
     assert set(t) == {"stage3_over_fsdp", "stage3_over_fsdp_paired", "stage3_over_fsdp_cpu",
                       "stage3_le_0.8x_fsdp", "stages_123_spread", "stages_123_spread_paired",
                       "stages_123_spread_cpu", "stages_123_within_10pct", "floor_over_fsdp",
@@ -282,7 +295,8 @@ def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     cmd = [str(ROOT / "scripts" / "gpu_bench.sh"), "--out", str(tmp_path), "--preset", "test",
            "--devices", "2", "--batch", "4", "--repeats", "5", "--steps-per-repeat", "1",
            "--variants", "stage3", "stage3_offload", "--largest-variants", "stage3",
-           "--largest-shapes", "test"]
+           "stage3_offload", "--largest-shapes", "test", "--update-params", "1e5",
+           "--pinned-limit-gb", "7"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "gpu_bench.json").read_text())
@@ -307,6 +321,14 @@ def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     probe = lg["probes"]["test"]
     assert probe["ok"] and probe["variant"] == "stage3" and probe["num_params"] == 21760
     assert probe["peak_bytes"] > 0 and 3.0 < probe["loss"] < 5.0
+    off = parts["largest"]["variants"]["stage3_offload"]
+    assert off["largest"] == "test" and off["probes"]["test"]["host_rss_peak_bytes"] > 0
+    assert parts["largest"]["pinned_limit"] == 7 << 30  # passed to the probes
+    assert "XLA:GPU's pinned-host pool 7.52 GB" in md and "| host RSS peak |" in md
+    # The offloaded update alone, in the bench part only (the overlap part does not repeat it)
+    assert parts["bench"]["offload_update"]["params"] == 100_000
+    assert parts["overlap"]["offload_update"] is None
+    assert "## The offloaded update alone" in md and "| update, donated |" in md
     assert "not_measured" not in result and "Not measured" not in md
     # Stage 3 + offload: its device peak leaves out the host state, which XLA:CPU does not
     # report apart, so there the split is derived from the state's memory kinds.
@@ -363,6 +385,31 @@ def test_gpu_bench_largest_search_walks_from_the_estimate(tmp_path, monkeypatch)
         assert calls == expected
 
 
+@pytest.mark.parametrize("pinned_gb, start", [(64, "gpt-4b"), (110, "7b")])
+def test_gpu_bench_offload_search_starts_at_the_plans_prediction(tmp_path, monkeypatch,
+                                                                 pinned_gb, start):
+    """One 80 GB device on a 125 GB host: the offload probes start where `plan --largest`
+    predicts with XLA's pinned-host pool at its default (64 GiB: gpt-4b) or raised (110 GiB:
+    7b), and the report holds the prediction and the compiled host peak against the state."""
+    gb = _load_gpu_bench()
+    monkeypatch.setattr(gb, "_probe", lambda args, out, shape, variant: {
+        "shape": shape, "num_params": 1, "ok": shape == start, "peak_bytes": 1,
+        "host_state_bytes": 100, "host_peak_bytes": 110, "split": "measured",
+        "host_rss_peak_bytes": 2e9, "reason": "RESOURCE_EXHAUSTED"})
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_gb))
+    args = gb.parse_args(["--devices", "1", "--largest-variants", "stage3_offload",
+                          "--host-memory", "125e9"])
+    args.largest_batch, args.memory = 1, 80e9
+    gb.run_largest(args, tmp_path)
+    lg = json.loads((tmp_path / "largest.json").read_text())
+    r = lg["variants"]["stage3_offload"]
+    assert (r["estimate_start"], r["predicted"], r["largest"]) == (start, start, start)
+    assert (lg["host_memory_for_estimate"], lg["pinned_limit"]) == (125e9, pinned_gb << 30)
+    md = gb.markdown({"largest": lg})
+    assert f"| stage 3 + offload | {start} | {start} | 1 | 1 B (+ 100 B host; host peak 110 B, " \
+           f"1.10× the state) | 2.00 GB |" in md
+
+
 def test_gpu_bench_script_finds_the_project_venv(tmp_path):
     # A copy of the script beside a fake .venv/bin/python that logs its arguments.
     (tmp_path / "scripts").mkdir()
@@ -394,3 +441,20 @@ def test_gpu_bench_failed_part_is_reported_not_stale(tmp_path, monkeypatch, caps
     assert "failed: bench" in err
     assert not (tmp_path / "bench.json").exists()
     assert json.loads((tmp_path / "gpu_bench.json").read_text())["parts"] == {}
+
+
+def test_update_bench_counts_the_bytes_and_times_every_form():
+    """The offloaded update alone: bf16 gradient in (2 bytes a param), fp32 master and Adam
+    moments read and written (2 x 12) and the step count (2 x 4 bytes), the bf16 compute
+    shard out (2): 28 bytes a param + 8; each form timed against the same copy."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import update_bench
+
+    res = update_bench.measure(4096, repeats=1)
+    assert res["bytes_per_update"] == 28 * 4096 + 8
+    assert set(res["update"]) == {"donated", "not donated", "CPU-backend program"}
+    best = max(res["copy_bytes_per_s"].values())
+    for r in res["update"].values():
+        assert r["bytes_per_s"] == pytest.approx(res["bytes_per_update"] / r["median_s"])
+        assert r["ratio_to_copy"] == pytest.approx(r["bytes_per_s"] / best)
+    assert "offloaded AdamW update of 4,096 params" in update_bench.table(res)

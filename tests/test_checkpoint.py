@@ -504,6 +504,17 @@ def test_damaged_latest_names_the_intact_older_steps(ref, tmp_path):
         engine.restore(d, step=5)
     assert e.value.intact_steps == [] and "intact" not in str(e.value)
     assert_bitwise(engine.params(engine.restore(d, step=3)), ref.params)
+    # The latest step's record with a shape edited: of "another model" than the older steps,
+    # which are named as for any other damage.
+    record = d / "5" / "meta" / "metadata"
+    meta = json.loads(record.read_text())
+    meta["params"][0]["shape"] = [7, *meta["params"][0]["shape"][1:]]
+    record.write_text(json.dumps(meta))
+    with pytest.raises(zj.CheckpointError, match=r"^step 5 of .* is of another model .*; intact "
+                                                 r"older steps, newest first: \[3\]; restore "
+                                                 r"one with step=3$") as e:
+        engine.restore(d)
+    assert e.value.intact_steps == [3]
 
 
 def test_run_directory_is_a_checkpoint_directory(ref, tmp_path):

@@ -225,3 +225,24 @@ def test_weights_cast_in_the_layer_stay_per_layer_and_gather_in_compute_dtype(st
         fp32_layers = 4 * model.L * d * d
         temp = mem(lowered.compile(compiler_options=DEFAULT_BUFFERS))[0]
         assert temp < 0.5 * fp32_layers, (temp, fp32_layers)
+
+
+@pytest.mark.slow
+def test_reduce_dtype_float32_reaches_every_reduce_scatter_on_data_by_model():
+    """Stage 3, bf16 params, reduce_dtype="float32" on data 4 x model 2: every reduce-scatter
+    of the lowered step is float32, the backward of the gathers of model-split pieces (in
+    their nested maps) included; without reduce_dtype they are bf16. Judged on StableHLO
+    (XLA:CPU upcasts bf16 collectives in its compiled program)."""
+    model = GPT.from_preset("test")
+    b = jax.ShapeDtypeStruct((8, model.cfg.seq_len), jnp.int32)
+    scatters = {}
+    for reduce in ("float32", None):
+        engine = zj.Engine(model, optax.adamw(1e-3), zj.make_mesh(data=4, model=2),
+                           zj.ZeroConfig(stage=3, param_dtype="bfloat16", reduce_dtype=reduce))
+        text = lower(engine, {"inputs": b, "targets": b}).as_text()
+        scatters[reduce] = re.findall(r'"stablehlo\.reduce_scatter"\(.*?\}\) : \(tensor<\d+x'
+                                      r'(\w+)>\) -> tensor<\d+x(\w+)>', text, re.S)
+    # The same reduce-scatters (6 here: the units' gathers transposed), each in its dtype.
+    assert len(scatters["float32"]) == len(scatters[None]) >= 4, scatters
+    assert set(scatters["float32"]) == {("f32", "f32")}, scatters["float32"]
+    assert set(scatters[None]) == {("bf16", "bf16")}, scatters[None]

@@ -1,6 +1,7 @@
 """Bad input gets one clear exception at the public boundary, naming the value and the fix."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -57,6 +58,22 @@ def test_mesh_without_data_axis():
 def test_mesh_larger_than_devices():
     with pytest.raises(zj.MeshError, match="needs 32 devices but only 8"):
         zj.make_mesh(data=16, replica=2)
+
+
+def test_a_mesh_on_fewer_devices_than_exist_says_so(caplog):
+    """data=2 × model=3 on 8 devices leaves 2 idle: one warning naming the count, none when
+    `devices=` chose them."""
+    with caplog.at_level("WARNING", logger="zerojax"):
+        mesh = zj.make_mesh(data=2, model=3)
+    assert mesh.devices.size == 6
+    assert [r.getMessage() for r in caplog.records] == [
+        "mesh replica=1 × data=2 × model=3 uses 6 of the 8 devices (2 idle); pass "
+        "devices=jax.devices()[:6] to choose them"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zerojax"):
+        zj.make_mesh(data=2, model=3, devices=jax.devices()[:6])
+        zj.make_mesh(model=2)
+    assert not caplog.records
 
 
 def test_grad_accum_not_dividing_device_batch():
@@ -232,3 +249,126 @@ def test_init_names_the_batch_key_the_model_reads():
         engine().init(jax.random.key(0), {"inputs": batch["inputs"]})
     with pytest.raises(zj.BatchError, match=r"a batch that is a list, not a dict"):
         engine().init(jax.random.key(0), [batch["inputs"], batch["targets"]])
+
+
+# --------------------------------------------------------------------------------- the run log
+
+RUNLOG_BAD = {  # case: (RunLog keyword arguments, message)
+    "negative start": ({"start": -1}, "RunLog: start=-1 must be a non-negative integer"),
+    "string start": ({"start": "5"}, "RunLog: start='5' must be a non-negative integer"),
+    "negative peak": ({"peak_tflops": -1}, "RunLog: peak_tflops=-1 must be a finite, positive"),
+    "nan peak": ({"peak_tflops": float("nan")}, "RunLog: peak_tflops=nan must be a finite"),
+    "string peak": ({"peak_tflops": "abc"}, "RunLog: peak_tflops='abc' must be a finite"),
+    "zero flops": ({"flops_per_step": 0.0}, "RunLog: flops_per_step=0.0 must be a finite"),
+    "empty project": ({"wandb": " "}, "RunLog: wandb=' ' must name a W&B project"),
+    "config": ({"config": [1]}, "RunLog: config=[1] must be a dict"),
+    "plot every": ({"plot_every": -1}, "RunLog: plot_every=-1 must be a finite number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(RUNLOG_BAD))
+def test_run_log_checks_its_arguments_at_the_door(case, tmp_path):
+    kwargs, message = RUNLOG_BAD[case]
+    with pytest.raises(zj.ArgumentError) as e:
+        zj.RunLog(tmp_path / "run", tensorboard=False, **kwargs)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_run_log_on_a_file_or_without_its_packages_is_one_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    from zerojax.app.files import RunFileError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunFileError, match=r"^RunLog: out '.*/file' is a file; name a directory$"):
+        zj.RunLog(tmp_path / "file", tensorboard=False)
+    with pytest.raises(RunFileError, match=r"out '.*/file/run' is under '.*/file', which is a "):
+        zj.RunLog(tmp_path / "file" / "run", tensorboard=False)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tensorboard").write_text("x")  # where the event files go: a file
+    with pytest.raises(RunFileError, match=r"^cannot write TensorBoard event files in .*/run/"
+                                           r"tensorboard: it is a file, not a directory; move "
+                                           r"it away, or turn TensorBoard off"):
+        zj.RunLog(tmp_path / "run")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboardX")
+                        else real(name, *a))
+    with pytest.raises(zj.ArgumentError, match=r"^RunLog: wandb='p' needs the wandb package: "
+                                               r"pip install 'zerojax\[wandb\]', or drop"):
+        zj.RunLog(tmp_path / "run", tensorboard=False, wandb="p")
+    with pytest.raises(zj.ArgumentError, match=r"needs the tensorboardX package: pip install "
+                                               r"tensorboardX, or pass tensorboard=False$"):
+        zj.RunLog(tmp_path / "run")
+
+
+def test_run_log_steps_increase_and_each_record_is_checked(tmp_path):
+    import json
+
+    one = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
+    # No sinks but metrics.jsonl, and no plot (matplotlib): nothing to close.
+    log = zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9)
+    log.eval(0, 3.0)
+    log.step(5, one, seconds=0.1)
+    for step in (5, 3):  # a repeated step, an earlier one
+        with pytest.raises(zj.ArgumentError, match=rf"^step {step} after step 5: metrics."
+                                                   r"jsonl takes each step once"):
+            log.step(step, one, seconds=0.1)
+    with pytest.raises(zj.ArgumentError, match="^step 5 after step 5"):
+        log.eval(5, 1.0)
+    bad = {"step 'a'": (("a", one), "RunLog.step: step='a' must be a non-negative integer"),
+           "no loss": ((1, {}), "RunLog.step: metrics lack 'loss', 'grad_norm' (they have "
+                                "[]); pass the dict engine.step returns"),
+           "an array": ((6, one | {"acc": np.zeros(3)}), "RunLog.step: metrics['acc']="),
+           "negative time": ((6, one), "RunLog.step: seconds=-1 must be a finite number")}
+    for case, (args, message) in bad.items():
+        with pytest.raises(zj.ArgumentError) as e:
+            log.step(*args, np.zeros((2, 4), np.int32),
+                     seconds=-1 if case == "negative time" else 0.1)
+        assert str(e.value).startswith(message), case
+    log.step(jnp.asarray(6, jnp.int32), one, seconds=0.1)  # state.step as it comes
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 5, 6]
+    # Reopened from step 5 (a resume): step 6 is superseded, so it may be written again.
+    log = zj.RunLog(tmp_path, start=5, tensorboard=False, plot_every=1e9)
+    assert [r["step"] for r in log.records] == [0, 5]
+    log.step(6, one, seconds=0.2)
+    assert [r["step"] for r in log.records] == [0, 5, 6] and log.records[2]["step_time_s"] == 0.2
+
+
+def test_throughput_and_peaks_refuse_what_they_cannot_measure():
+    for args, message in [((2e12, 0.0, 4), "throughput: seconds=0.0 must be a finite, positive"),
+                          ((2e12, 0.5, 0), "throughput: devices=0 must be a positive integer"),
+                          ((2e12, 0.5, 4, -1.0), "throughput: peak=-1.0 must be a finite"),
+                          ((2e12, 0.5, 4, float("inf")), "throughput: peak=inf must be"),
+                          ((-1.0, 0.5, 4), "throughput: flops=-1.0 must be a finite number >=")]:
+        with pytest.raises(zj.ArgumentError) as e:
+            zj.throughput(*args)
+        assert str(e.value).startswith(message), args
+    with pytest.raises(zj.ArgumentError, match=r"^peak_tflops\(42\): give a jax device or its "
+                                               r"device_kind string"):
+        zj.peak_tflops(42)
+    from zerojax.analysis import flops
+
+    with pytest.raises(zj.ArgumentError, match=r"^the MFU: peak_tflops=-1.0 must be a finite"):
+        flops.run_peak(jax.devices()[0], "float32", -1.0)
+
+
+def test_run_log_warns_once_when_the_mfu_exceeds_100_percent(tmp_path):
+    from zerojax.app.runlog import PeakWarning, mesh_text
+
+    assert mesh_text(zj.make_mesh(data=4, model=2)) == "data 4 × model 2"  # the plot's title
+    assert mesh_text(zj.make_mesh(data=8)) == "data 8"
+
+    one = {"loss": 2.0, "grad_norm": 1.0}
+    log = zj.RunLog(tmp_path, tensorboard=False, plot_every=1e9, flops_per_step=8e12,
+                    peak_tflops=1e-9)
+    with pytest.warns(PeakWarning, match=r"^MFU .*% at step 1 exceeds 100 %: the peak it is "
+                                         r"against, 1e-09 TFLOP/s per device, is below"):
+        log.step(1, one, seconds=1.0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.step(2, one, seconds=1.0)  # once per run

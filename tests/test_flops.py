@@ -153,3 +153,35 @@ def test_any_model_is_counted_from_its_step_program(stage, grad_accum):
     # gradient, not the input's (data, not a param)
     expected = 2 * b * (6 * 16 + 16 * 3) + 2 * b * (6 * 16 + 16 * 3) + 2 * b * 16 * 3
     assert zj.step_flops(_engine(MLP(), stage, grad_accum=grad_accum), batch) == expected
+
+
+def test_the_flop_figures_say_which_n_and_which_flops(tmp_path, monkeypatch):
+    """The banner's formula shows the N of its 6·N; a model without a formula is counted from
+    its compiled program, and its records say so: hardware FLOPs and HFU, never MFU."""
+    from types import SimpleNamespace
+
+    nano = GPT.from_preset("nano")
+    c = nano.cfg
+    assert nano.flops_params() == nano.num_params() - (c.vocab_size + c.seq_len) * c.d_model
+    assert flops.formula(nano) == ("6·N + 12·L·T·d per token (PaLM app. B), N = 826,112 params "
+                                   "without the embedding tables")
+    assert nano.flops_per_token(64) == 6 * 826_112 + 12 * c.n_layers * 64 * c.d_model
+    assert flops.formula(object()).startswith("the compiled step's matrix products")
+    engine = SimpleNamespace(model=object(), mesh=zj.make_mesh(data=2),
+                             config=zj.ZeroConfig(param_dtype="bfloat16"))
+    monkeypatch.setattr(flops, "step_flops", lambda engine, batch: 4e12)
+    one = {"loss": 2.0, "grad_norm": 1.0}
+    batch = {"x": np.zeros((4, 3), np.float32)}
+    # No sinks but metrics.jsonl, and no plot (matplotlib): nothing to close.
+    log = zj.RunLog(tmp_path, engine, tensorboard=False, plot_every=1e9, peak_tflops=4.0)
+    rec = log.step(1, one, batch, seconds=1.0)
+    assert (rec["program_tflops_per_device"], rec["hfu"]) == (2.0, 0.5)
+    assert "tflops_per_device" not in rec and "mfu" not in rec
+    from zerojax.app.sinks import tag
+
+    assert (tag("program_tflops_per_device"), tag("hfu")) == (
+        "perf/per_device_program_tflops_per_sec", "perf/hfu")
+    log = zj.RunLog(tmp_path / "b", engine, tensorboard=False, plot_every=1e9, peak_tflops=4.0,
+                    flops_per_step=2e12)  # the user's own count: model FLOPs
+    rec = log.step(1, one, batch, seconds=1.0)
+    assert (rec["tflops_per_device"], rec["mfu"]) == (1.0, 0.25)

@@ -391,6 +391,21 @@ def test_a_rule_naming_an_axis_no_zerojax_mesh_has_is_refused():
                       logical_axis_rules=(("mlp", "tensor"),))
 
 
+def test_a_tuple_entry_naming_data_and_model_splits_over_model():
+    """An annotation entry ("data", "model") (a dimension over both axes, as FSDP-style rules
+    write it) splits that dimension over `model`, and the step's manual specs keep its
+    `data` part alone; ("model",) alone, the same."""
+    from zerojax.partition import LeafSpec, manual, model_plan
+
+    for entry in (("data", "model"), ("model",), ("model", "data")):
+        b, w = model_plan(Annotated({"w": P(None, entry), "b": None}),
+                          (LeafSpec("['b']", (8,), False), LeafSpec("['w']", (6, 8), False)),
+                          jax.tree.structure({"b": 0, "w": 0}), 2)
+        assert (w.split, w.pieces, b.split) == (1, 2, None), entry
+    assert manual(P(None, ("data", "model"))) == P(None, "data")
+    assert manual(P(("model",), None)) == P(None, None)
+
+
 def test_without_a_model_axis_the_annotations_change_nothing():
     engine = zj.Engine(Annotated({"w": P(None, "model"), "b": None}), optax.sgd(0.1),
                        zj.make_mesh(data=4))

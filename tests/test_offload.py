@@ -1,12 +1,19 @@
 """ZeRO-Offload (`offload="optimizer"`): master and optimizer state in pinned host memory, the
 update on the host, the same numbers as without offload."""
 
+import re
+import sys
+import time
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from helpers import (
     CLIP,
+    DEFAULT_BUFFERS,
     adamw,
     assert_tree_close,
     check_parity,
@@ -192,3 +199,88 @@ def test_the_updated_shard_comes_back_in_the_compute_dtype(stage, dtype):
     assert sorted(a.size for a in back) == sorted(
         layout.shard_size(leaf) * (leaf.shape[0] if leaf.stacked else 1)
         for leaf in layout.leaves)
+
+
+class Flat:
+    """One leaf of `size` elements: a step whose update is most of its work."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def init(self, rng):
+        return {"w": jax.random.normal(rng, (self.size,))}
+
+    def loss(self, params, batch, units):
+        w = units.gather(params)["w"]
+        return jnp.mean(jnp.square(w[None, :8].astype(jnp.float32) * batch["x"]))
+
+
+def _entry(text):
+    """(input_output_alias as {output index: parameter number}, the entry's parameter
+    layouts) of a compiled module's text."""
+    head = text.splitlines()[0]
+    alias = {int(o): int(p) for o, p in re.findall(r"\{(\d+)\}: \((\d+), \{\}", head)}
+    params = re.search(r"entry_computation_layout=\{\((.*?)\)->", head).group(1)
+    return alias, re.sub(r"/\*index=\d+\*/", "", params).split(", ")
+
+
+def _allocations(dump):
+    """{parameter number: the values in its buffer} from XLA's buffer-assignment dump."""
+    (path,) = dump.glob("*jit_local_step*after_optimizations-buffer-assignment.txt")
+    out, param = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("allocation"):
+            m = re.search(r"parameter (\d+),.*maybe-live-out", line)
+            param = int(m.group(1)) if m else None
+            if param is not None:
+                out[param] = []
+        elif param is not None and line.startswith(" value:"):
+            out[param].append(line.split()[2])
+    return out
+
+
+@pytest.mark.parametrize("donate", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
+    """The master and moments are donated, and the host update writes their new values into
+    the same buffers: every host-state argument aliases its output, no copy of one is made,
+    and XLA's buffer assignment holds the update's result in the argument's own buffer (so the
+    host never holds a second master or moment). Without donation each check fails."""
+    if not donate:
+        jit = jax.jit
+        monkeypatch.setattr(jax, "jit", lambda f, donate_argnums=(), **kw: jit(f, **kw))
+    # A learning rate no earlier compile shares: XLA writes the dump only when it compiles the
+    # step, not when the step is loaded from a persistent compilation cache.
+    lr = 1e-3 * (1 + (time.time_ns() % 997) * 1e-6)
+    eng = zj.Engine(Flat(1 << 12), optax.adamw(lr, weight_decay=0.1), zj.make_mesh(data=2),
+                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer"))
+    batch = {"x": np.ones((4, 8), np.float32)}
+    eng.init(jax.random.key(0), batch)
+    low = eng.lower(None, put_batch(batch, eng.mesh))
+    compiled = low.compile({"xla_dump_to": str(tmp_path), **DEFAULT_BUFFERS})
+    alias, params = _entry(compiled.as_text())
+    host = {i for i, p in enumerate(params) if ":S(5)" in p}
+    assert len(host) == len(jax.tree.leaves((eng.abstract_state().master,
+                                             eng.abstract_state().opt_state)))
+    names = re.findall(r"ENTRY %\S+ \((.*?)\) ->", compiled.as_text())[0]
+    copied = [n for n in re.findall(r"(\S+): ", names)
+              if re.search(rf" copy\(%{re.escape(n)}\)", compiled.as_text())]
+    in_place = _allocations(tmp_path)
+    big = {i for i in host if "[" in params[i] and "[]" not in params[i]}  # master, mu, nu
+    assert len(big) == 3
+    if donate:
+        assert all(alias.get(i) == i for i in host)  # state output i is argument i's buffer
+        assert not copied
+        assert all(len(in_place[i]) == 2 for i in big), in_place  # the argument, its update
+    else:
+        assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
+
+
+def test_a_units_gradient_can_go_to_the_host_inside_the_backward():
+    """experiments/grads_to_host.py: host-memory stand-ins moved to the device per unit send
+    each unit's reduced shard to the host right after its reduce-scatter, inside the backward
+    loop, with plain jax's numbers (the mechanism for gradients leaving the device as they
+    are produced; not yet the step's, see docs/performance.md)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import grads_to_host
+
+    grads_to_host.main()

@@ -331,7 +331,9 @@ def test_plan_largest_command(capsys):
     assert plan_main([*argv, "--stages", "3", "--remat", "on"]) == 0
     table = capsys.readouterr().out
     assert "gpt-4b" in table and "4.28B" in table and "7b (6.71B)" in table
-    assert table.count("gpt-4b") == 1  # one row: stage 3, remat on
+    # one row: stage 3, remat on, whose offload column stops at gpt-4b too: 16Ψ of 7b (107 GB)
+    # is over XLA:GPU's default pinned-host pool (64 GiB)
+    assert table.count("gpt-4b") == 2 and "pinned-host limit" in table
     assert plan_main(["--devices", "1", "--memory", "1GB", "--largest", "--stages", "0"]) == 1
     captured = capsys.readouterr()
     assert "nothing fits: the smallest shape, gpt3-125m, needs more than 1.00 GB" in captured.err
@@ -374,14 +376,25 @@ def test_largest_with_offload_is_the_estimate():
         assert f.peak == f.state + f.activations <= 80e9 < nx.peak
     assert {r["fits"].name for r in rows if r["remat"]} == {"gpt3-13b"}  # 2.7B-4B without
     assert {r["fits"].name for r in rows if not r["remat"]} == {"7b"}
-    # A host budget below 12Ψ of gpt3-13b (155 GB) stops at 7b (80.6 GB on the host).
+    # The host peak adds the gradient shard down and the compute shard up to the state:
+    # 12Ψ + 2Ψ + 2Ψ. 100 GB of host memory holds gpt-4b's (68.5 GB), not 7b's (107 GB).
     capped = largest(1, 80e9, offload="optimizer", host_memory=100e9, remat=(True,))
-    assert {r["fits"].name for r in capped} == {"7b"}
-    assert {r["next"].name for r in capped} == {"gpt3-13b"}
+    assert {r["fits"].name for r in capped} == {"gpt-4b"}
+    assert {r["next"].name for r in capped} == {"7b"}
+    assert {tuple(r["binds"]) for r in capped} == {("host",)}
+    for r in capped:
+        assert (r["fits"].host_peak, r["next"].host_peak) == (16 * 4_281_206_784,
+                                                              16 * 6_714_695_680)
+    # XLA:GPU's pinned-host pool binds the same way; both: both named.
+    both = largest(1, 80e9, offload="optimizer", host_memory=100e9, pinned=100 << 30,
+                   stages=(3,), remat=(True,))
+    assert both[0]["binds"] == ["host", "pinned-host limit"]
+    pinned = largest(1, 80e9, offload="optimizer", pinned=110 << 30, stages=(3,), remat=(True,))
+    assert (pinned[0]["fits"].name, pinned[0]["binds"]) == ("7b", ["pinned-host limit"])
 
 
 def test_plan_largest_command_adds_offload_columns(capsys):
-    argv = ["--devices", "1", "--memory", "80GB", "--largest"]
+    argv = ["--devices", "1", "--memory", "80GB", "--largest", "--pinned-limit", "none"]
     assert plan_main([*argv, "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
@@ -391,7 +404,9 @@ def test_plan_largest_command_adds_offload_columns(capsys):
     assert rows[3, True]["offload"]["next"]["name"] == "neox-20b"
     assert rows[3, True]["offload"]["fits"]["host"] == 12 * rows[3, True]["offload"]["fits"][
         "num_params"]
-    assert "12 bytes x Ψ/N per device, not limited" in out["assumptions"]["offload"]
+    assert "12 bytes x Ψ/N per device; host peak" in out["assumptions"]["offload"]
+    assert "host memory, not limited, and XLA:GPU's pinned-host pool, not limited (--pinned" \
+        in out["assumptions"]["offload"]
     assert out["assumptions"]["offload"] in captured.err
     assert plan_main([*argv, "--stages", "3", "--remat", "on"]) == 0
     table = capsys.readouterr().out
@@ -586,15 +601,38 @@ def test_plan_largest_on_several_devices_splits_the_global_batch(capsys):
 def test_plan_largest_host_memory_caps_offload(capsys):
     argv = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
             "--json"]
-    assert plan_main([*argv, "--host-memory", "100GB"]) == 0
+    assert plan_main([*argv, "--host-memory", "100GB", "--pinned-limit", "none"]) == 0
     out = json.loads(capsys.readouterr().out)
     (row,) = out["largest"]
-    # 12Ψ of gpt3-13b (155 GB) does not fit 100 GB of host memory; 7b's 80.6 GB does.
-    assert (row["offload"]["fits"]["name"], row["offload"]["next"]["name"]) == ("7b", "gpt3-13b")
+    # The host peak, 16Ψ, of 7b (107 GB) does not fit 100 GB of host memory; gpt-4b's does.
+    assert (row["offload"]["fits"]["name"], row["offload"]["next"]["name"]) == ("gpt-4b", "7b")
+    assert row["offload"]["binds"] == ["host"]
     assert "at most 100 GB" in out["assumptions"]["offload"]
-    assert plan_main(argv) == 0  # without the cap: gpt3-13b
+    assert plan_main([*argv, "--pinned-limit", "none"]) == 0  # without the caps: gpt3-13b
     assert json.loads(capsys.readouterr().out)["largest"][0]["offload"]["fits"]["name"] == \
         "gpt3-13b"
+
+
+@pytest.mark.parametrize("env, limit, fits, binds", [
+    ({}, 64 << 30, "gpt-4b", ["pinned-host limit"]),  # XLA:GPU's default pool
+    ({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "110"}, 110 << 30, "7b", ["host", "pinned-host limit"]),
+])
+def test_plan_largest_offload_on_one_h100(capsys, monkeypatch, env, limit, fits, binds):
+    """One H100 (80 GB) on a 125 GB host: with XLA's default pinned-host pool the pool binds
+    at gpt-4b (16Ψ = 68.5 GB <= 64 GiB = 68.7 GB); raised to 110 GiB, 7b (107 GB) fits and
+    gpt3-13b (207 GB) fits neither."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
+            "--host-memory", "125GB", "--json"]
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["largest"]
+    assert out["pinned_limit"] == limit
+    assert row["fits"]["name"] == "gpt-4b"  # plain optax's stage 3 on the device alone
+    assert (row["offload"]["fits"]["name"], row["offload"]["binds"]) == (fits, binds)
+    assert row["offload"]["fits"]["peak"] < 80e9
 
 
 def test_plan_largest_json_succeeds_when_only_offload_fits(capsys):

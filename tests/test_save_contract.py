@@ -235,3 +235,24 @@ def test_the_os_error_of_a_failed_write_is_read_from_any_layer(tmp_path, monkeyp
                         why_not_written(errno.ENOSPC, tmp_path))
     assert fix_for(errno.EFBIG) == "Raise the file-size limit (ulimit -f unlimited)"
     assert fix_for(errno.EROFS) == "Make the directory writable"
+
+
+def test_a_full_disk_is_recognised_by_tensorstore_s_code_alone_and_its_leftovers_removed(
+        tmp_path):
+    """tensorstore may report a full disk as RESOURCE_EXHAUSTED with no OS error code or
+    text; and a failed save's temporary directory, with orbax's numbered suffix or without,
+    is removed (only that step's)."""
+    import errno
+
+    from zerojax.checkpoint import guard
+
+    assert guard.write_errno(ValueError("RESOURCE_EXHAUSTED: Error writing \"state/d/0\"")) \
+        == errno.ENOSPC
+    assert guard.write_errno(ValueError("RESOURCE_EXHAUSTED: [os_error_code=27]")) == errno.EFBIG
+    assert guard.write_errno(ValueError("INVALID_ARGUMENT: bad shape")) is None
+    names = ["4.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp-17", "40.orbax-checkpoint-tmp-3",
+             "3", "4"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    guard._remove_partial(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "40.orbax-checkpoint-tmp-3"]

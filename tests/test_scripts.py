@@ -116,6 +116,33 @@ def test_evaluate_weights_each_devices_loss_by_its_real_examples():
     assert float(e.evaluate(state, {"x": x})["loss"]) == pytest.approx(want, rel=1e-6)
 
 
+class Mean(Sum):
+    """A loss that is the mean over the device-local examples, as the protocol asks."""
+
+    def loss(self, params, batch, units):
+        return (batch["x"] @ units.gather(params)["w"]).mean()
+
+
+def test_evaluate_on_replica_by_data_is_the_plain_mean_and_pads_count_for_nothing():
+    """On replica 2 × data 2 the batch splits over all 4 slices (not the 2 of `data`): 10, 7
+    and 3 examples give the plain mean. A pad row the compiled evaluation is handed weighs
+    nothing even when it holds NaN (a `where`, not a product with its zero weight)."""
+    from zerojax.mesh import put_batch
+
+    e = zj.Engine(Mean(), optax.sgd(0.1), zj.make_mesh(data=2, replica=2),
+                  zj.ZeroConfig(stage=3))
+    x = np.arange(30, dtype=np.float32).reshape(10, 3) / 7
+    state = e.init(jax.random.key(0), {"x": x[:4]})
+    v = x @ np.asarray(e.params(state)["w"])
+    for n in (10, 7, 3):
+        assert float(e.evaluate(state, {"x": x[:n]})["loss"]) == pytest.approx(
+            float(np.mean(v[:n])), rel=1e-6), n
+    part = {"x": np.concatenate([x[:2], np.full((2, 3), np.nan, np.float32)])}
+    got = e._eval_fn(state, put_batch(part, e.mesh),
+                     put_batch(np.array([1, 1, 0, 0], np.float32), e.mesh), 0)
+    assert float(got["loss"]) == pytest.approx(float(v[0] + v[1]), rel=1e-6)
+
+
 def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
     """What `RunLog.step` adds to a step's metrics: the lr an optimizer state carries, tokens
     from the batch, float16's skipped steps summed, the model's aux metrics under `metrics/`,

@@ -35,15 +35,49 @@ def test_tensorboard_holds_each_step_once_across_resumes(tmp_path):
     assert [r["step"] for r in records] == list(range(9))
     assert tensorboard_scalars(tmp_path) == by_tag(records)
     assert tensorboard_scalars(tmp_path)["learning/loss"][4] == np.float32(8.0 / 4)
-    # The new file starts after step 3, so TensorBoard's per-series preemption (its data
-    # server) replaces the old steps 4-6 too, not only the `purge_step` the reader honours.
-    newest = max((tmp_path / "tensorboard").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    assert min(tensorboard_scalars(tmp_path, newest)["learning/loss"]) == 4
+    # The event files are rewritten: one file, from step 0, whatever the old ones held.
+    (newest,) = (tmp_path / "tensorboard").iterdir()
+    assert sorted(tensorboard_scalars(tmp_path, newest)["learning/loss"]) == list(range(1, 9))
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[4])["loss"] == 2.0
     # A new run from step 0 starts the curves again.
     records = write(tmp_path, 0, range(1, 3), 2.0)
     assert tensorboard_scalars(tmp_path) == by_tag(records)
     assert len(list((tmp_path / "tensorboard").iterdir())) == 1
+
+
+def test_tensorboard_after_a_kill_holds_metrics_jsonl_whatever_was_flushed(tmp_path):
+    """A killed process's event file may end anywhere: before its last checkpoint's steps (not
+    flushed) or past them (superseded). The resume's file replays metrics.jsonl and opens with
+    a restart at step 0, so even a reader that still sees the old file (a live TensorBoard)
+    holds each record once."""
+    import shutil
+
+    write(tmp_path, 0, range(1, 9), 4.0)
+    stale = tmp_path / "stale"
+    shutil.copytree(tmp_path / "tensorboard", stale)  # steps 0-8 of a killed process
+    # The kill lost the flush of steps 5-8: the resume from checkpoint 6 must write 5 and 6.
+    write(tmp_path, 0, range(1, 5), 4.0, tensorboard=False)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines + [json.dumps(record(s, 4.0))
+                                                                for s in (5, 6)]) + "\n")
+    records = write(tmp_path, 6, range(7, 10), 5.0)
+    assert [r["step"] for r in records] == list(range(10))
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+    (new,) = (tmp_path / "tensorboard").iterdir()
+    for old in stale.iterdir():  # the old file back beside the new one: the restart hides it
+        shutil.copy(old, tmp_path / "tensorboard" / ("events.out.tfevents.0." + old.name[-20:]))
+    assert tensorboard_scalars(tmp_path) == by_tag(records)
+    assert tensorboard_scalars(tmp_path)["learning/loss"][7] == np.float32(5.0 / 7)
+
+
+def test_tensorboard_keeps_the_old_files_when_metrics_jsonl_lacks_the_steps(tmp_path):
+    """metrics.jsonl deleted before a resume from step 4: the event files are the only record
+    of steps 1-4, so they stay, and only their steps after 4 are dropped."""
+    first = write(tmp_path, 0, range(1, 7), 4.0)
+    (tmp_path / "metrics.jsonl").unlink()
+    records = write(tmp_path, 4, range(5, 7), 8.0)
+    assert [r["step"] for r in records] == [5, 6]
+    assert tensorboard_scalars(tmp_path) == by_tag(first[:5] + records)
 
 
 def test_tensorboard_of_a_resume_after_a_run_without_it_starts_at_step_1(tmp_path):
@@ -73,11 +107,14 @@ def test_wandb_offline_run_holds_the_same_history(tmp_path, monkeypatch):
     assert len(runs) == 1 and runs[0]["project"] == "zerojax-tests"
     assert runs[0]["config"]["stage"] == 3
     assert runs[0]["history"] == by_tag(records, np.float64)
-    # A resume continues the same W&B run (its id kept in the run directory).
-    write(out, 2, range(3, 6), 8.0, wandb="zerojax-tests")
-    runs = wandb_history(out)
-    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]
-    assert sorted(runs[1]["history"]["learning/loss"]) == [3, 4, 5]
+    # A resume continues the same W&B run (its id kept in the run directory), and its run
+    # file holds the whole run: the records it keeps replayed, then its own; the killed
+    # process's file (here: with steps 3-4 that the resume supersedes) moves aside.
+    records = write(out, 2, range(3, 6), 8.0, wandb="zerojax-tests")
+    (resumed,) = wandb_history(out)
+    assert resumed["id"] == runs[0]["id"] and resumed["history"] == by_tag(records, np.float64)
+    assert resumed["history"]["learning/loss"][3] == 8.0 / 3
+    assert len(list((out / "wandb" / "superseded").iterdir())) == 1
 
 
 def test_a_full_disk_under_the_records_is_one_error_the_files_as_they_were(tmp_path, monkeypatch):
@@ -124,3 +161,18 @@ def test_a_full_disk_under_the_records_is_one_error_the_files_as_they_were(tmp_p
         log.write(record(3, 4.0))
     log.close(failed=True)  # a failed run closes quietly
     assert not hooked
+
+
+def test_a_resumed_run_log_counts_skipped_steps_on_from_the_last_record(tmp_path):
+    """float16's skipped steps are a running count: a log reopened from step 3 (a resume)
+    continues the count its last kept record holds, not from 0 nor from a superseded one."""
+    from zerojax.app.runlog import RunLog
+
+    def step(log, s, skipped):
+        m = {"loss": 1.0, "grad_norm": 1.0, "loss_scale": 2.0**15, "skipped": skipped}
+        return log.step(s, m, seconds=0.1)["skipped_steps"]
+
+    log = RunLog(tmp_path, tensorboard=False, plot_every=1e9)  # no sinks, no plot to close
+    assert [step(log, s, k) for s, k in ((1, 1), (2, 0), (3, 1), (4, 1))] == [1, 1, 2, 3]
+    log = RunLog(tmp_path, start=3, tensorboard=False, plot_every=1e9)
+    assert [step(log, s, k) for s, k in ((4, 0), (5, 1))] == [2, 3]

@@ -128,7 +128,7 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "data extension": ("--data {tmp}/bad.json", "extension '.json'"),
     "resume without checkpoint": ("--resume --out {tmp}", "no checkpoint"),
     "existing checkpoints": ("--out {tmp}/old", "pass --resume"),
-    "seq-len": ("--seq-len 129", "context length 128"),
+    "seq-len": ("--seq-len 129", "exceeds the context length of preset 'nano', 128"),
     "vocab": ("--model test", "vocab_size 64"),
     "config key": ("--config {tmp}/bad.json", "unknown option(s) ['stepz']"),
     "config file": ("--config {tmp}/none.json", "config file not found"),
@@ -136,6 +136,10 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "prefetch": ("--stage 2 --prefetch", "--prefetch needs --stage 3"),
     "offload": ("--stage 0 --offload optimizer",
                 "--offload optimizer needs --stage 1, 2 or 3 (got --stage 0)"),
+    "delayed update without offload": ("--stage 3 --delayed-update 2",
+                                       "--delayed-update 2 needs --offload optimizer"),
+    "delayed update": ("--offload optimizer --delayed-update -1",
+                       "--delayed-update=-1 must be a non-negative integer"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
     "model parallel vs devices": ("--devices 8 --model-parallel 3",
                                   "--model-parallel=3 does not divide the 8 devices of the run; "
@@ -144,8 +148,8 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
                                          "--model-parallel=4 does not divide the 2 devices of a "
                                          "replica group"),
     "model parallel vs heads": ("--devices 8 --model-parallel 8",
-                                "--model-parallel=8 does not divide preset 'nano''s 4 attention "
-                                "heads (Megatron gives each model device whole heads)"),
+                                "--model-parallel=8 does not divide the 4 attention heads of "
+                                "preset 'nano' (Megatron gives each model device whole heads)"),
     "batch vs data-parallel devices": ("--devices 8 --model-parallel 2 --batch 6",
                                        "--batch=6 is not divisible by the 4 data-parallel "
                                        "devices; use a multiple of 4"),
@@ -193,6 +197,16 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
     "steps beyond the step counter": ("--steps 2147483648",
                                       "--steps=2147483648 must be a positive integer below "
                                       "2**31"),
+    "text for an integer": ("--model-parallel two", "--model-parallel='two' must be an integer"),
+    "text for a number": ("--peak-tflops abc", "--peak-tflops='abc' must be a number (or None)"),
+    "not a stage": ("--stage=5", "--stage='5' is not one of 0, 1, 2, 3"),
+    "not a dtype": ("--param-dtype fp8", "--param-dtype='fp8' is not one of float32, "
+                                         "bfloat16, float16"),
+    "no value": ("--steps --quiet", "--steps needs a value; see --help"),
+    "unknown option": ("--bogus 1", "Unrecognized options: --bogus, 1; see --help"),
+    "tensorboard is a file": ("--out {tmp}/tbfile",
+                              "{tmp}/tbfile/tensorboard' is a file, where the TensorBoard event "
+                              "files go; move it away or pass --no-tensorboard"),
     "data is a device": ("--data /dev/null",
                          "token file '/dev/null' is not a regular file; pass a .txt, .bin or "
                          ".npy file"),
@@ -211,6 +225,8 @@ def test_bad_options_exit_2_with_one_line_before_jax(case, where, tmp_path, caps
     (tmp_path / "adam.toml").write_text('optimizer = "adam"\n')
     (tmp_path / "old" / "checkpoints" / "5").mkdir(parents=True)
     (tmp_path / "dir.npy").mkdir()
+    (tmp_path / "tbfile").mkdir()
+    (tmp_path / "tbfile" / "tensorboard").write_text("x")
     (tmp_path / "garbage.npy").write_bytes(b"not a numpy file at all")
     np.save(tmp_path / "objects.npy", np.array([1, "two", None], dtype=object))
     ids = np.arange(100, dtype=np.int32) % 64
@@ -272,6 +288,27 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     est = s["memory_per_device"]["estimate"]
     assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
     assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
+
+
+@pytest.mark.slow
+def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch):
+    """`--offload optimizer --delayed-update 1`: a resume from a step saved in the delayed phase
+    (on another stage) gives the uninterrupted run's losses."""
+    cfg = options.validate(options.parse_args(["--offload", "optimizer", "--delayed-update", "1"]))
+    assert (cfg.delayed_update, options.TrainConfig().delayed_update) == (1, None)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    argv = ["--model", "test", "--batch", "8", "--eval-every", "0", "--data", str(tokens64),
+            "--devices", "4", "--steps", "4", "--save-every", "2", "--offload", "optimizer",
+            "--delayed-update", "1", "--quiet"]
+    assert train.main([*argv, "--stage", "3", "--out", str(tmp_path / "a")]) == 0
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["config"]["delayed_update"] == 1 and s["steps_done"] == 4
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+    (tmp_path / "b" / "metrics.jsonl").write_text("")
+    assert train.main([*argv, "--stage", "1", "--resume-step", "2",
+                       "--out", str(tmp_path / "b")]) == 0
+    np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a")[2:], rtol=1e-5)
 
 
 # Each optimizer but the default (which the other runs here use) once, each meeting another
@@ -498,16 +535,18 @@ def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, mon
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
     monkeypatch.setattr(*full_disk_after(1))
     ckpt = tmp_path / "checkpoints"
-    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "6",
-                       "--eval-every", "0", "--save-every", "2", "--out", str(tmp_path)])
+    code = train.main([*SMALL, "--data", str(tokens64), "--devices", "2", "--steps", "24",
+                       "--eval-every", "0", "--save-every", "8", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1, err
     assert err.count("\n") == 1, err
-    assert err.startswith(f"zerojax train: error: cannot write step 4 to {ckpt}: no space left "
-                          f"on its device (")
+    assert err.startswith(f"zerojax train: error: cannot write step 16 to {ckpt}: no space "
+                          f"left on its device (")
     assert err.endswith(f"free); the steps saved there before are intact; last good "
-                        f"checkpoint: step 2 in {ckpt} (continue with --resume)\n")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
+                        f"checkpoint: step 8 in {ckpt} (continue with --resume)\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["8"]
+    # Found at a step after the failed save, not at the next save (the final one, step 24).
+    assert 16 <= records(tmp_path)[-1]["step"] < 24
 
 
 def on_a_full_disk(*args, fsize: int | None = None, enospc_after: int | None = None,
@@ -572,11 +611,15 @@ def test_a_resume_on_a_full_disk_leaves_metrics_byte_identical(tmp_path, referen
     r = on_a_full_disk("train", *SMALL, "--data", tokens64, "--devices", 4, "--steps", 30,
                        *resume, "--out", out, fsize=len(before) // 2)
     assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
-    verb = "append to" if resume == ["--resume"] else "write"
-    assert r.stderr.startswith(f"zerojax train: error: cannot {verb} {out / 'metrics.jsonl'}: "
-                               f"a file would exceed the file-size limit of "
-                               f"{len(before) // 2:,} bytes (ulimit -f; "), r.stderr
+    # From step 10 the rewrite of metrics.jsonl fails; from the latest step, the rewrite of
+    # the TensorBoard event file from metrics.jsonl (about its size), which leaves the old one.
+    failed = (out / "tensorboard" / "events.out.tfevents.*" if resume == ["--resume"] else
+              out / "metrics.jsonl")
+    assert re.match(rf"zerojax train: error: cannot write {re.escape(str(failed))}: a file "
+                    rf"would exceed the file-size limit of {len(before) // 2:,} bytes \(ulimit "
+                    rf"-f; ".replace(r"\*", ".*"), r.stderr), r.stderr
     assert (out / "metrics.jsonl").read_bytes() == before
+    assert sorted(os.listdir(out / "tensorboard")) == sorted(os.listdir(reference / "tensorboard"))
 
 
 def test_a_renamed_step_directory_is_named_by_resume(tmp_path, reference, capsys, monkeypatch):
@@ -693,12 +736,18 @@ def test_thirty_steps_watched_in_tensorboard_and_wandb(tmp_path, tokens64, monke
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     r = zerojax("train", *[a for a in SMALL if a != "--quiet"], "--data", tokens64,
-                "--devices", 4, "--steps", 30, "--out", out,
+                "--devices", 4, "--steps", 30, "--out", out, "--peak-tflops", "1e-9",
                 *(["--wandb", "zerojax-tests"] if has_wandb else []))
     assert r.returncode == 0, r.stderr
+    # A peak below what the device runs: the MFU over 100 % is said once, in one line.
+    (warning,) = [line for line in r.stderr.splitlines() if "MFU" in line]
+    assert re.fullmatch(r"zerojax train: warning: MFU [\d.]+% at step 1 exceeds 100 %: the "
+                        r"peak it is against, 1e-09 TFLOP/s per device, is below what the "
+                        r"device runs; give the device's dense peak .*", warning), warning
     lines = r.stdout.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) >= 10 and all(" TFLOP/s/device  eta " in line for line in steps), lines
+    assert len(steps) >= 10 and all(re.search(r" TFLOP/s/device \(MFU [\d.]+%\)  eta ", line)
+                                    for line in steps), lines
     assert "TFLOP/s/device" in lines[-1] and lines[-1].startswith("done: step 30")
     tb = tensorboard_scalars(out)
     assert tb == logged(out)

@@ -37,6 +37,10 @@ class ZeroConfig:
     offload: None (default) or "optimizer" (ZeRO-Offload, stages 1-3): the fp32 master shard
         and the optimizer state live in pinned host memory, the optimizer update runs on the
         host, and only the updated compute-dtype shard comes back to the device.
+    delayed_update: None (default) or K >= 0, with offload="optimizer": ZeRO-Offload's
+        delayed parameter update (DPU). Steps 0..K-1 are ordinary; from step K on, each step's
+        forward and backward run on the params before the previous step's update, while the
+        host computes that update (docs/training.md, "Delayed parameter update").
     quantize_weights: ZeRO++ qwZ, stages 1-3: None, or "int8": every all_gather of compute
         params (stage 3's per-layer gathers, forward and backward; the refresh of stages 1-2)
         sends block-quantized int8 values and a float32 scale per block, dequantized to
@@ -67,6 +71,7 @@ class ZeroConfig:
     quantize_grads: str | None = None
     quant_block: int = QUANT_BLOCK
     hpz: bool = False
+    delayed_update: int | None = None
 
     def __post_init__(self):
         stage = _integer("stage", self.stage)
@@ -106,7 +111,25 @@ class ZeroConfig:
             raise ConfigError(f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage=0); "
                               f"stage 0 keeps a full optimizer copy per device, so there is "
                               f"no shard to offload")
+        self._check_delayed()
         self._check_zeropp()
+
+    def _check_delayed(self) -> None:
+        """`delayed_update`: an integer K >= 0, with the optimizer offloaded."""
+        k = self.delayed_update
+        if k is None:
+            return
+        k = _integer("delayed_update", k, "an integer K >= 0 (the ordinary steps before the "
+                     "delay starts), or None")
+        if k < 0:
+            raise ConfigError(f"delayed_update={k} must be an integer K >= 0 (the ordinary "
+                              f"steps before the delay starts), or None")
+        object.__setattr__(self, "delayed_update", k)
+        if self.offload != "optimizer":
+            raise ConfigError(f"delayed_update={k} needs offload='optimizer' (got offload="
+                              f"{self.offload!r}): the delay lets the host's update of one "
+                              f"step run while the device computes the next; add "
+                              f"offload='optimizer', or drop delayed_update")
 
     def _check_zeropp(self) -> None:
         """The ZeRO++ options (qwZ, qgZ, hpZ) and how they combine with the others."""

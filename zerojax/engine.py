@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
+from zerojax.delayed import Delay, empty_pending, lagging, pending_specs, with_lagging
 from zerojax.errors import ConfigError, ModelError
 from zerojax.mesh import (
     DATA,
@@ -75,6 +76,8 @@ class Engine:
         self.plan: StepPlan | None = None
         self._step_fn = None
         self._eval_fn = None
+        # delayed_update: its programs, and which one a state's next step runs
+        self._delay = Delay(self) if config.delayed_update is not None else None
 
     # ---------------------------------------------------------------- layout discovery
 
@@ -174,7 +177,8 @@ class Engine:
                 leaf.logical_spec() for leaf in layout.leaves)
         model_state = jax.tree.map(lambda _: P(), self._abstract_model_state())
         return TrainState(P(), master, opt, compute,
-                          jax.tree.map(lambda _: P(), init_loss_scale(1.0)), P(), model_state)
+                          jax.tree.map(lambda _: P(), init_loss_scale(1.0)), P(), model_state,
+                          pending_specs(master) if self._delay else None)
 
     def _manual_specs(self) -> TrainState:
         """`state_specs` as the step's shard_map takes them: the batch axes only (the model
@@ -197,7 +201,11 @@ class Engine:
         if self.config.offload is None:
             return shardings
         host = lambda t: jax.tree.map(on(HOST_MEMORY), t, is_leaf=is_spec)
-        return shardings._replace(master=host(specs.master), opt_state=host(specs.opt_state))
+        shardings = shardings._replace(master=host(specs.master), opt_state=host(specs.opt_state))
+        if self._delay:  # the pending gradient waits in host memory, beside the master
+            shardings = shardings._replace(pending=shardings.pending._replace(
+                grads=host(specs.pending.grads)))
+        return shardings
 
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s with shardings: for AOT compilation without memory."""
@@ -224,7 +232,8 @@ class Engine:
                               self.plan.wire, dtype)
                     for m, leaf in zip(jax.tree.leaves(master), layout.leaves))
         return TrainState(jnp.zeros((), jnp.int32), master, self.plan.update.init(params), compute,
-                          init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state))
+                          init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state),
+                          empty_pending(master) if self._delay else None)
 
     def _init_state(self, key):
         return _as_arrays(self.model.init_state(key)) if hasattr(self.model, "init_state") \
@@ -277,6 +286,8 @@ class Engine:
     # ---------------------------------------------------------------- the step
 
     def _compiled_step(self):
+        if self._delay:  # the program of the delayed phase (Engine.step picks per state)
+            return self._delay.step_fn(True)
         if self._step_fn is None:
             specs = self._manual_specs()
             body = jax.shard_map(partial(local_step, self.plan), mesh=self.mesh,
@@ -301,6 +312,8 @@ class Engine:
         check_state(self, state)
         check_batch(batch, self.mesh, self.config.grad_accum, jax.process_count())
         check_batch_like(self, batch)
+        if self._delay:
+            return self._delay.step(state, put_batch(batch, self.mesh))
         return self._compiled_step()(state, put_batch(batch, self.mesh))
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
@@ -319,6 +332,8 @@ class Engine:
         pc = jax.process_count()
         n = check_batch(batch, self.mesh, 1, pc, divisible=False)
         check_batch_like(self, batch, sizes=False)
+        if self._delay:  # evaluates the params with the pending update applied
+            state = state._replace(compute=self._delay.applied_fn()(state)[2])
         if self._eval_fn is None:
             body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
                                  in_specs=(self._manual_specs(), P(self.axes), P(self.axes),
@@ -341,8 +356,9 @@ class Engine:
         """Logical fp32 master params: original shapes, padding removed."""
         layout, offload = self.layout, self.config.offload is not None
         check_state(self, state)
+        master = self._delay.applied_fn()(state)[0] if self._delay else state.master
         return jax.jit(lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m))(
-            state.master)
+            master)
 
     def model_state(self, state: TrainState) -> Any:
         """The logical model state (None for a model without `init_state`)."""
@@ -354,6 +370,9 @@ class Engine:
         """The optimizer state as single-device optax has it for the logical params (e.g. for
         `optax.contrib.schedule_free_eval_params`)."""
         offload = self.config.offload is not None
+        if self._delay:
+            check_state(self, state)
+            state = state._replace(opt_state=self._delay.applied_fn()(state)[1])
         return jax.jit(lambda s: self.plan.update.logical(
             on_device(s).opt_state if offload else s.opt_state))(state)
 
@@ -362,7 +381,15 @@ class Engine:
     def logical(self, state: TrainState) -> dict:
         """The state in the logical layout (traceable): {"params", "opt_state", "step",
         "loss_scale": {"scale", "good_steps"}, "rng"[, "model_state"]}, as checkpoints hold
-        it: original shapes, no padding, any stage and N; PRNG keys as their raw data."""
+        it: original shapes, no padding, any stage and N; PRNG keys as their raw data.
+        With delayed_update: the params and optimizer state with the pending update applied,
+        and the compute params the next step runs on as "delayed"/"params" (delayed.py)."""
+        lag = None
+        if self._delay:
+            lag = lagging(self.plan, state.compute)
+            if state.pending is not None:  # else settled already (Delay.settled)
+                master, opt_state, _ = self._delay.applied(state)
+                state = state._replace(master=master, opt_state=opt_state)
         if self.config.offload is not None:
             state = on_device(state)
         tree = {"params": self.layout.from_flat(state.master),
@@ -373,11 +400,15 @@ class Engine:
                 "rng": state.rng}
         if state.model_state is not None:
             tree["model_state"] = state.model_state
+        if lag is not None:
+            tree["delayed"] = {"params": lag}
         return tree
 
-    def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None) -> dict:
+    def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None,
+                       delayed: bool | None = None) -> dict:
         """`logical`'s tree as ShapeDtypeStructs with shardings on this engine's mesh (large
-        leaves 1/N per device), for the units `leaves` (default: this engine's)."""
+        leaves 1/N per device), for the units `leaves` (default: this engine's); `delayed`:
+        with the "delayed" params (default: whether this engine delays its updates)."""
         if leaves is None:
             leaves, treedef = self.layout.leaves, self.layout.treedef
         leaves = self._splits(tuple(leaves), treedef)
@@ -401,6 +432,8 @@ class Engine:
         model_state = self._abstract_model_state()
         if model_state is not None:
             tree["model_state"] = jax.tree.map(whole, model_state)
+        if self._delay is not None if delayed is None else delayed:
+            tree["delayed"] = {"params": params}
         return tree
 
     def from_logical(self, tree: dict, leaves: tuple[LeafSpec, ...] | None = None,
@@ -419,8 +452,12 @@ class Engine:
             opt = jax.tree.map(
                 lambda x, a: jax.random.wrap_key_data(x, dtype=a.dtype) if _is_key(a) else x,
                 tree["opt_state"], self.plan.update.logical_state)
-            return st._replace(step=tree["step"], loss_scale=ls,
-                               opt_state=self.plan.update.stored(opt))
+            st = st._replace(step=tree["step"], loss_scale=ls,
+                             opt_state=self.plan.update.stored(opt))
+            # A checkpoint of the delayed phase: the next step runs on the params before the
+            # update applied to tree["params"]. Other engines continue from those.
+            return with_lagging(self.plan, st, tree["delayed"]["params"]) \
+                if self._delay and "delayed" in tree else st
 
         return jax.jit(build, out_shardings=self.state_shardings())(tree)
 

@@ -23,8 +23,8 @@ class StateError(ZeroError, TypeError):
 
 
 class ArgumentError(ZeroError, TypeError):
-    """An argument of the wrong kind (a seed where a PRNG key belongs, a string step); also a
-    `TypeError`."""
+    """An argument of the wrong kind or out of its range (a seed where a PRNG key belongs, a
+    string step, a negative peak, a step written twice); also a `TypeError`."""
 
 
 class ModelError(ZeroError):

@@ -9,6 +9,7 @@ cached once per layout (tree structure, shapes and dtypes, in Python); it touche
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -34,7 +35,8 @@ def make_mesh(data: int | None = None, replica: int = 1,
     layer's weights are split over `model` as the model's annotations say (tensor
     parallelism; DESIGN.md section 8), `model` innermost, so its devices are neighbours
     (the fastest links). `data=None` takes all devices. With fewer devices requested than
-    exist, the first ones are used.
+    exist, the first ones are used, and a warning on the `zerojax` logger names the idle ones
+    unless `devices=` chose them.
     """
     devs = list(jax.devices() if devices is None else devices)
     for name, v in (("replica", replica), ("model", model)):
@@ -55,6 +57,13 @@ def make_mesh(data: int | None = None, replica: int = 1,
             f"only {len(devs)} exist; on CPU simulate more with "
             f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts (or "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+    if devices is None and need < len(devs):
+        # jax frameworks' meshes take every device; a product that falls short (data=2 ×
+        # model=3 on 8) is more often a slip than a choice, so it is said, not silent.
+        logging.getLogger("zerojax").warning(
+            "mesh replica=%d × data=%d × model=%d uses %d of the %d devices (%d idle); pass "
+            "devices=jax.devices()[:%d] to choose them", replica, data, model, need, len(devs),
+            len(devs) - need, need)
     sizes = [(REPLICA, replica), (DATA, data), (MODEL, model)]
     names = tuple(a for a, n in sizes if n > 1 or a == DATA)
     shape = tuple(n for a, n in sizes if n > 1 or a == DATA)

@@ -30,6 +30,8 @@ class TrainState(NamedTuple):
     loss_scale: LossScale
     rng: Any = None  # u32 [2] {replicated}: data of the base key the model's keys derive from
     model_state: Any = None  # the model's state (init_state) {replicated}; None if it has none
+    pending: Any = None  # delayed_update: the update the next step applies (delayed.Pending);
+    #                      None without delayed_update
 
 
 # engine -> (its plan when cached, {state path: (shape, dtype)}, state treedef, mesh devices)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,14 +50,22 @@ class MemoryEstimate:
     secondary: float = 0.0  # hpZ: the secondary copy while a step runs, Ψ·pb/D (in total)
 
     @property
+    def host_peak(self) -> float:
+        """Offload: the host's peak while the update runs in place: the state, the gradient
+        shard that came down and the compute shard that goes up, Ψ·(K + gb + pb)/N."""
+        return self.host + self.transfer if self.host else 0.0
+
+    @property
     def state(self) -> float:
         """What the engine keeps between steps: the total less gradients and hpZ's secondary
         copy, which live only while a step runs."""
         return self.total - self.grads - self.secondary
 
     def as_dict(self) -> dict[str, float]:
-        """The fields; hpZ's `secondary` only where it is not 0."""
-        return _without_zero(dataclasses.asdict(self), ("secondary",))
+        """The fields, and offload's `host_peak`; hpZ's `secondary` and `host_peak` only where
+        they are not 0."""
+        return _without_zero(dataclasses.asdict(self) | {"host_peak": self.host_peak},
+                             ("secondary", "host_peak"))
 
     def row(self) -> dict[str, str]:
         """The columns `zerojax estimate` prints for a stage's memory (offload's host bytes
@@ -64,7 +73,8 @@ class MemoryEstimate:
         row = {k: format_bytes(getattr(self, k)) for k in ("params", "grads", "optimizer",
                                                             "total")}
         if self.host or self.transfer:
-            row |= {"host": format_bytes(self.host), "host<->device": format_bytes(self.transfer)}
+            row |= {"host": format_bytes(self.host), "host peak": format_bytes(self.host_peak),
+                    "host<->device": format_bytes(self.transfer)}
         if self.secondary:
             row["hpZ secondary"] = format_bytes(self.secondary)
         return row
@@ -229,6 +239,23 @@ def _check_formats(quantize_weights: Any, quantize_grads: Any, quant_block: Any)
         raise EstimateError(f"quantize_grads={quantize_grads!r}: use one of {FORMATS} or None")
     if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
         raise EstimateError(f"quant_block={quant_block!r} must be a positive integer")
+
+
+# XLA:GPU's pinned-host allocator (where offload's state lives) has a limit of its own, below
+# the machine's memory: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, default 64 GiB (per process).
+PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_LIMIT_DEFAULT_GB = 64
+
+
+def pinned_limit(environ=None) -> int:
+    """Bytes XLA:GPU's pinned-host pool may hold: `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB from
+    `environ` (default: os.environ), else XLA's default of 64 GiB."""
+    text = (os.environ if environ is None else environ).get(PINNED_LIMIT_ENV, "")
+    try:
+        gib = int(text) if text.strip() else PINNED_LIMIT_DEFAULT_GB
+    except ValueError:
+        raise EstimateError(f"{PINNED_LIMIT_ENV}={text!r} is not a whole number of GiB") from None
+    return gib << 30
 
 
 MASTER_BYTES = 4  # the fp32 master copy of a parameter
@@ -400,7 +427,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     `estimate` / `comm_estimate` (and its `activations`: then an "over model" column), and
     ZeRO++'s `quantize_weights` (stages 1-3), `quantize_grads` and `hpz` (stage 3 row).
     With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
-    add the `host` bytes and the host<->device `transfer` per step; `total` is device bytes.
+    add the `host` bytes, the `host peak` of the in-place host update (`host_peak`) and the
+    host<->device `transfer` per step; `total` is device bytes.
     """
     mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
                 "split_params")
@@ -439,6 +467,7 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
         }
         if offload:
             row["host"] = format_bytes(m.host)
+            row["host peak"] = format_bytes(m.host_peak) if stage else format_bytes(0)
             row["host<->device"] = format_bytes(m.transfer)
         if hpz:
             row["hpZ secondary"] = format_bytes(m.secondary)

@@ -246,6 +246,8 @@ def measure_main(argv: list[str]) -> int:
                 f"params); drop stage 0 (e.g. --stage 1,2,3)")
     quant = {"quantize_weights": a.quantize_weights, "quantize_grads": a.quantize_grads}
     _start_devices(p, a.devices)
+    import jax
+
     from zerojax.analysis.measure_report import row, title
     from zerojax.analysis.measurement import activations_of, lower, measure_lowered
     from zerojax.config import ZeroConfig
@@ -269,7 +271,8 @@ def measure_main(argv: list[str]) -> int:
                          grad_accum=a.grad_accum, offload=a.offload, hpz=a.hpz, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
-            mesh = make_mesh(replica=a.replica, data=data, model=m)
+            mesh = make_mesh(replica=a.replica, data=data, model=m,
+                             devices=jax.devices()[:a.replica * data * m])
             engine = Engine(model, named_optimizer(a.optimizer), mesh, cfg)
             progress(label, "lowering", i)
             lowered = lower(engine, batch)

@@ -15,6 +15,8 @@ from zerojax.analysis.accounting import (
     comm_estimate,
     estimate,
     estimate_table,
+    format_bytes,
+    pinned_limit,
 )
 from zerojax.analysis.commands import _shape_args, model_config, quantize_args
 from zerojax.analysis.console import Parser, positive_arg, print_assumptions, print_table
@@ -57,7 +59,7 @@ def estimate_main(argv: list[str]) -> int:
                    help="bytes per reduced gradient element (default: --grad-bytes)")
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
-                        "the baseline); adds host and host<->device columns")
+                        "the baseline); adds host, host peak and host<->device columns")
     quantize_args(p)
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
@@ -119,7 +121,10 @@ def estimate_main(argv: list[str]) -> int:
     else:
         title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
         if a.offload:
-            title += "; total: device bytes, host: master + optimizer state in host memory"
+            title += ("; total: device bytes, host: master + optimizer state in host memory, "
+                      "host peak: + the gradient shard down and the compute shard up while "
+                      "the update runs in place (XLA:GPU's pinned-host pool must hold it: "
+                      f"{format_bytes(pinned_limit())} here, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
         print_table(title, rows)
         if a.optimizer or a.optimizer_bytes is not None:
             print(f"note: K = {k:.4g} bytes per param: {source}")

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from zerojax.analysis.hlo import matmul_flops
-from zerojax.errors import BatchError
+from zerojax.errors import ArgumentError, BatchError, short
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak per device in TFLOP/s, by `device_kind`:
 # the first key found in the lower-cased kind as whole words wins, so the more specific names
@@ -52,10 +52,30 @@ PEAK_DTYPES = ("bfloat16", "float16")
 FORMULA = "6·N + 12·L·T·d per token (PaLM app. B)"  # N: params without the embeddings
 
 
+def formula(model) -> str:
+    """How `step_flops` counts `model`'s FLOPs, for a reader to check: the GPT's formula with
+    its N shown, else the compiled program's matrix products."""
+    n = getattr(model, "flops_params", None)
+    if n is None:
+        return "the compiled step's matrix products (remat included: hardware FLOPs)"
+    return f"{FORMULA}, N = {n():,} params without the embedding tables"
+
+
+def counts_model_flops(model) -> bool:
+    """Whether `step_flops` gives `model`'s model FLOPs (it has `flops_per_token`), not the
+    compiled program's (hardware FLOPs, whose utilization is HFU, not MFU)."""
+    return getattr(model, "flops_per_token", None) is not None
+
+
 def peak_tflops(device: jax.Device | str | None = None) -> float | None:
     """Dense bf16/fp16 peak TFLOP/s of one device (`device_kind` or a device; default the
     first device) from `PEAK_TFLOPS`; None where the device is not in the table (CPUs)."""
-    kind = device if isinstance(device, str) else (device or jax.devices()[0]).device_kind
+    if device is None:
+        device = jax.devices()[0]
+    kind = device if isinstance(device, str) else getattr(device, "device_kind", None)
+    if not isinstance(kind, str):
+        raise ArgumentError(f"peak_tflops({short(device)}): give a jax device or its "
+                            f"device_kind string, e.g. 'NVIDIA H100 80GB HBM3'")
     kind = kind.lower()
     return next((tf for key, tf in PEAK_TFLOPS
                  if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", kind)), None)
@@ -100,6 +120,12 @@ def throughput(flops: float, seconds: float, devices: int,
                peak: float | None = None) -> dict[str, Any]:
     """`{"tflops_per_device": ..., "mfu": ...}` of a step of `flops` (over all devices) that
     took `seconds` on `devices`; `mfu` (a fraction) only with the per-device `peak` TFLOP/s."""
+    flops = number("flops", flops, "throughput", low=0.0)
+    seconds = number("seconds", seconds, "throughput")
+    if isinstance(devices, bool) or not isinstance(devices, (int, np.integer)) or devices < 1:
+        raise ArgumentError(f"throughput: devices={short(devices)} must be a positive integer "
+                            f"(the devices the step ran on)")
+    peak = None if peak is None else number("peak", peak, "throughput")
     tflops = flops / seconds / devices / 1e12
     return {"tflops_per_device": tflops} | ({"mfu": tflops / peak} if peak else {})
 
@@ -108,14 +134,28 @@ def run_peak(device: jax.Device, dtype: str, given: float | None = None
              ) -> tuple[float | None, str]:
     """The per-device peak TFLOP/s a run's MFU is against, and where it comes from: `given`
     (--peak-tflops), else the table's for bfloat16/float16 compute; None (and why) otherwise."""
-    if given:
-        return given, "--peak-tflops"
+    if given is not None:
+        return number("peak_tflops", given, "the MFU"), "--peak-tflops"
     if dtype not in PEAK_DTYPES:
         return None, f"{dtype} compute (the peak table is bf16/fp16: give --peak-tflops)"
     peak = peak_tflops(device)
     if peak is None:
         return None, f"{device.device_kind} is not in the peak table (give --peak-tflops)"
     return peak, f"{device.device_kind}, dense {dtype}"
+
+
+def number(name: str, value, where: str, low: float | None = None) -> float:
+    """`value` as a float, which must be finite and positive (or at least `low`), else one
+    ArgumentError naming `name` and `where` it was given."""
+    ok = not isinstance(value, (bool, str)) and np.ndim(value) == 0
+    try:
+        x = float(value) if ok else math.nan
+    except (TypeError, ValueError):
+        x, ok = math.nan, False
+    if not ok or not math.isfinite(x) or not (x >= low if low is not None else x > 0):
+        kind = "a finite, positive number" if low is None else f"a finite number >= {low:g}"
+        raise ArgumentError(f"{where}: {name}={short(value)} must be {kind}")
+    return x
 
 
 def format_flops(x: float) -> str:

@@ -13,9 +13,12 @@ from typing import Any
 
 from zerojax.analysis.accounting import (
     ADAM_BYTES,
+    PINNED_LIMIT_DEFAULT_GB,
+    PINNED_LIMIT_ENV,
     STAGES,
     EstimateError,
     format_bytes,
+    pinned_limit,
     state_estimate,
 )
 from zerojax.analysis.console import print_assumptions, print_table
@@ -126,6 +129,18 @@ class Fit:
     host: float = 0.0  # offload: master + optimizer state in host memory, per device
     transfer: float = 0.0  # offload: host<->device bytes per step, per device
     optimizer_state_bytes: float = ADAM_BYTES  # per param, master excluded
+    host_peak: float = 0.0  # offload: host + the update's gradient and compute shards
+
+    def over(self, device_memory: float, host_memory: float | None = None,
+             pinned: float | None = None) -> list[str]:
+        """The memories this shape's estimate does not fit: "device", "host" (its
+        `host_peak` over `host_memory`), "pinned-host limit" (over `pinned`)."""
+        out = ["device"] if self.peak > device_memory else []
+        if host_memory is not None and self.host_peak > host_memory:
+            out.append("host")
+        if pinned is not None and self.host_peak > pinned:
+            out.append("pinned-host limit")
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,13 +162,14 @@ def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int
     unit = max(cfg.layer_params, cfg.vocab_size * cfg.d_model)
     gathered = 2 * unit * _itemsize(param_dtype) if stage == 3 and devices > 1 else 0
     return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
-               mem.host, mem.transfer, optimizer_state_bytes)
+               mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak)
 
 
 def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             param_dtype: str = "bfloat16", stages=STAGES, remat=(True, False),
             family: dict[str, Any] | None = None, offload: str | None = None,
-            host_memory: float | None = None, optimizer=None) -> list[dict[str, Any]]:
+            host_memory: float | None = None, pinned: float | None = None,
+            optimizer=None) -> list[dict[str, Any]]:
     """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
     estimated peak fits `device_memory`, and the next larger one, which does not.
 
@@ -161,9 +177,11 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     8 bytes, which is what AdamW's init gives on every shape).
 
     With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
-    device memory; `host_memory`, if given, must also hold each device's host bytes.
-    Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None}. Arithmetic
-    only.
+    device memory; `host_memory` and `pinned` (XLA:GPU's pinned-host pool), if given, must
+    also hold each device's host peak (`Fit.host_peak`: the state and the in-place update's
+    gradient and compute shards).
+    Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None, "binds": the
+    memories the next larger shape does not fit (`Fit.over`)}. Arithmetic only.
     """
     family = gpt_family() if family is None else family
     k = {n: ADAM_BYTES if optimizer is None else state_per_param(optimizer, c)
@@ -174,13 +192,14 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             continue
         fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload,
                              k[n]) for n, c in family.items()]
-        ok = [f for f in fits if f.peak <= device_memory
-              and (host_memory is None or f.host <= host_memory)]
+        ok = [f for f in fits if not f.over(device_memory, host_memory, pinned)]
         best = max(ok, key=lambda f: f.num_params) if ok else None
         bigger = [f for f in fits if f not in ok
                   and (best is None or f.num_params > best.num_params)]
+        nxt = min(bigger, key=lambda f: f.num_params) if bigger else None
         rows.append({"stage": stage, "remat": rm, "offload": offload, "fits": best,
-                     "next": min(bigger, key=lambda f: f.num_params) if bigger else None})
+                     "next": nxt,
+                     "binds": nxt.over(device_memory, host_memory, pinned) if nxt else []})
     return rows
 
 
@@ -212,10 +231,12 @@ def largest_main(p, a) -> int:
     kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
               family=family, optimizer=optimizer)
     try:
+        pinned = None if a.pinned_limit == "none" else a.pinned_limit or pinned_limit()
         rows = largest(a.devices, a.memory, **kw)
         off = {} if a.offload == "off" else {
             (r["stage"], r["remat"]): r for r in largest(
-                a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory)}
+                a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory,
+                pinned=pinned)}
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     dtype = a.param_dtype
@@ -247,21 +268,29 @@ def largest_main(p, a) -> int:
         facts["offload"] = (
             "the + offload columns: stages 1-3 with offload='optimizer': the device holds the "
             "compute params, gradients and activations (peak); the host holds the float32 "
-            + ("master and Adam moments, 12 bytes x Ψ/N per device, " if optimizer is None else
-               "master and the optimizer state, (4 + K) bytes x Ψ/N per device, ")
+            + ("master and Adam moments, 12 bytes x Ψ/N per device" if optimizer is None else
+               "master and the optimizer state, (4 + K) bytes x Ψ/N per device")
+            + "; host peak: that state + the gradient shard that comes down + the compute shard "
+            "that goes up (the update runs in place), which must fit the host memory, "
             + (f"at most {format_bytes(a.host_memory)}" if a.host_memory else "not limited")
-            + "; each step the gradient shard goes down and the compute shard comes up")
+            + ", and XLA:GPU's pinned-host pool, "
+            + (("not limited" if not pinned else f"at most {format_bytes(pinned)}")
+               + (" (--pinned-limit)" if a.pinned_limit else
+                  f" (${PINNED_LIMIT_ENV} GiB, else XLA's {PINNED_LIMIT_DEFAULT_GB} GiB)"))
+            + "; each step the gradient shard goes down and the compute shard comes up; binds: "
+            "the memories the next larger shape does not fit")
     print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
                        f"{format_bytes(a.memory)} each", facts)
     if a.json:
         def both(r):
             return {"fits": r["fits"] and r["fits"].as_dict(),
-                    "next": r["next"] and r["next"].as_dict()}
+                    "next": r["next"] and r["next"].as_dict(), "binds": r["binds"]}
 
         out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
                 "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
                for r in rows]
         print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
+                          "host_memory": a.host_memory, "pinned_limit": pinned,
                           "param_dtype": dtype, "assumptions": facts, "largest": out},
                          indent=1))
         return 0 if any(r["fits"] for r in [*rows, *off.values()]) else 1
@@ -286,7 +315,9 @@ def largest_main(p, a) -> int:
                 "offload params": f"{fo.num_params / 1e9:.2f}B" if fo else "-",
                 "device peak": fmt(fo.peak) if fo else "-",
                 "host": fmt(fo.host) if fo else "-",
-                "host<->device": fmt(fo.transfer) if fo else "-"})
+                "host peak": fmt(fo.host_peak) if fo else "-",
+                "host<->device": fmt(fo.transfer) if fo else "-",
+                "binds": " + ".join(o["binds"]) if o and o["binds"] else "-"})
     print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
                  f"each (estimated)", table)
     if not any(r["fits"] for r in [*rows, *off.values()]):

@@ -33,6 +33,11 @@ from zerojax.analysis.planning import named_optimizer, plan
 from zerojax.analysis.steptime import EFFICIENCY
 
 
+def pinned_arg(text: str) -> int | str:
+    """A size, or "none" (no pinned-host limit)."""
+    return "none" if text.lower() == "none" else size_arg(text)
+
+
 def plan_main(argv: list[str]) -> int:
     """`python -m zerojax plan --model 7b --devices 64 --memory 80GB [--json]`; with
     `--largest` instead of `--model`: the largest GPT per stage, estimated."""
@@ -57,8 +62,12 @@ def plan_main(argv: list[str]) -> int:
                    help="auto: try stages 1-3 with the optimizer state in host memory only if "
                         "nothing fits without (--largest: add offload columns); off: never")
     p.add_argument("--host-memory", type=size_arg, default=None,
-                   help="--largest: host memory per device that offload may use (default: "
-                        "not limited)")
+                   help="--largest: host memory per device that offload may use, e.g. 125GB "
+                        "(default: not limited)")
+    p.add_argument("--pinned-limit", type=pinned_arg, default=None,
+                   help="--largest: XLA:GPU's pinned-host pool per device, which offload's "
+                        "host peak must fit, e.g. 110GiB, or none (default: "
+                        "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, else XLA's 64 GiB)")
     p.add_argument("--bandwidth", type=bandwidth_arg, default=None,
                    help="link bandwidth per device, e.g. 25GB/s, or per mesh axis "
                         "data=400GB/s,replica=25GB/s,model=900GB/s (model: default data's): "

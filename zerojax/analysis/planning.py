@@ -144,11 +144,13 @@ class PlanResult:
 
     def mesh(self):
         """The chosen configuration's mesh (`make_mesh`) on this process's devices."""
+        import jax
+
         from zerojax.mesh import make_mesh
 
         b = self._chosen()
         return make_mesh(data=self.devices // (b.replica * b.model), replica=b.replica,
-                         model=b.model)
+                         model=b.model, devices=jax.devices()[:self.devices])
 
     def _chosen(self) -> Candidate:
         if self.best is None:
@@ -280,7 +282,8 @@ def plan(model, devices: int, device_memory: float, batch, *, optimizer=None,
                 key = (c.replica, c.model)
                 if key not in meshes:
                     meshes[key] = make_mesh(replica=c.replica, model=c.model,
-                                            data=devices // (c.replica * c.model))
+                                            data=devices // (c.replica * c.model),
+                                            devices=jax.devices()[:devices])
                 engine = Engine(model, optimizer, meshes[key], cfg)
                 lowered = lower(engine, batch)
             except ConfigError as e:

@@ -32,6 +32,17 @@ def replace_file(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def not_a_directory(path: Path) -> str | None:
+    """Why `path` cannot be (made) a directory: "is a file" or "is under 'P', which is a
+    file"; None when it is one or can be made."""
+    for p in (path, *path.parents):  # the first one that exists must be a directory
+        if p.exists() or p.is_symlink():
+            if p.is_dir():
+                return None
+            return "is a file" if p == path else f"is under {str(p)!r}, which is a file"
+    return None
+
+
 def append_line(path: Path, line: bytes) -> None:
     """Appends `line` to `path`, or raises a RunFileError naming it and its free space with the
     file as it was: a write cut short (a full disk, a file-size limit) is taken back."""

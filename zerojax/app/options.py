@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import tyro
 
+from zerojax.app.cmdline import check_values, one_line_errors
 from zerojax.app.data import check_ids, embedded_corpus, load_tokens, split_tokens
+from zerojax.app.files import not_a_directory
 from zerojax.models import PRESETS
 from zerojax.update.presets import HELP, OPTIMIZERS
 
@@ -26,7 +28,7 @@ CHECKPOINTS = "checkpoints"  # train saves its checkpoints in OUT/checkpoints
 # stage or output options; a resume that changes them is reported.
 TRAJECTORY = ("batch", "seq_len", "seed", "data", "steps", "lr", "warmup", "schedule",
               "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "param_dtype",
-              "quantize_weights", "quantize_grads")
+              "quantize_weights", "quantize_grads", "delayed_update")
 
 
 OPTIMIZER_HELP = ("Default adamw; a resume continues with the saved one. "
@@ -81,6 +83,9 @@ class TrainConfig:
     """Stage 3: gather layer i+1's parameters while layer i computes."""
     offload: Literal["optimizer"] | None = None
     """optimizer: keep the fp32 master and optimizer state in host memory (stages 1-3)."""
+    delayed_update: int | None = None
+    """With --offload: after K ordinary steps, each step's forward and backward run on the
+    params before the previous step's update, while the host computes that update (DPU)."""
     quantize_weights: Literal["int8"] | None = None
     """ZeRO++ qwZ (stages 1-3): gather params as block-quantized int8 (half of bf16's bytes)."""
     quantize_grads: Literal["int8", "int4"] | None = None
@@ -143,7 +148,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     if path is not None:
         values = load_config_file(path)
         default = dataclasses.replace(default, **values, config=path)
-    cfg = tyro.cli(TrainConfig, args=argv, default=default, prog="python -m zerojax train")
+    check_values(argv, TrainConfig, UsageError)
+    cfg = one_line_errors(lambda: tyro.cli(TrainConfig, args=argv, default=default,
+                                           prog="python -m zerojax train"), UsageError)
     # --resume-step implies --resume, so only an explicit "no" contradicts it: the last of
     # --resume / --no-resume on the command line, else the config file's resume = false.
     said = [a for a in argv if a in ("--resume", "--no-resume")]
@@ -194,7 +201,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 # except the seed, which jax.random.key takes as int64.
 _INTS = {"steps": 1, "batch": 1, "replica": 1, "model_parallel": 1, "grad_accum": 1,
          "eval_batches": 1, "devices": 1, "seq_len": 1, "save_every": 0, "eval_every": 0,
-         "warmup": 0, "seed": 0, "resume_step": 1, "num_processes": 1, "process_id": 0}
+         "warmup": 0, "seed": 0, "delayed_update": 0, "resume_step": 1, "num_processes": 1,
+         "process_id": 0}
 INT_LIMIT, SEED_LIMIT = 2**31, 2**63
 
 
@@ -229,8 +237,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ctx = PRESETS[cfg.model].seq_len
     seq_len = ctx if cfg.seq_len is None else cfg.seq_len
     if seq_len > ctx:
-        raise UsageError(f"--seq-len={seq_len} exceeds preset {cfg.model!r}'s context length "
-                         f"{ctx}")
+        raise UsageError(f"--seq-len={seq_len} exceeds the context length of preset "
+                         f"{cfg.model!r}, {ctx}")
     dist = (cfg.coordinator, cfg.num_processes, cfg.process_id)
     if any(v is not None for v in dist) and any(v is None for v in dist):
         raise UsageError("--coordinator, --num-processes and --process-id go together; give "
@@ -244,8 +252,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         check_split(cfg, cfg.devices * (cfg.num_processes or 1))
     heads = PRESETS[cfg.model].n_heads
     if heads % cfg.model_parallel:
-        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide preset "
-                         f"{cfg.model!r}'s {heads} attention heads (Megatron gives each model "
+        raise UsageError(f"--model-parallel={cfg.model_parallel} does not divide the {heads} "
+                         f"attention heads of preset {cfg.model!r} (Megatron gives each model "
                          f"device whole heads); use a divisor of {heads}")
     if cfg.prefetch and cfg.stage != 3:
         raise UsageError(f"--prefetch needs --stage 3 (got --stage {cfg.stage})")
@@ -254,6 +262,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.offload is not None and cfg.stage == 0:
         raise UsageError(f"--offload {cfg.offload} needs --stage 1, 2 or 3 (got --stage 0): "
                          f"stage 0 has no optimizer shard to offload")
+    if cfg.delayed_update is not None and cfg.offload is None:
+        raise UsageError(f"--delayed-update {cfg.delayed_update} needs --offload optimizer: "
+                         f"the delay lets the host's update run while the device computes")
     if cfg.quantize_weights is not None and cfg.stage == 0:
         raise UsageError(f"--quantize-weights {cfg.quantize_weights} needs --stage 1, 2 or 3 "
                          f"(got --stage 0): stage 0 gathers no params; use --quantize-grads")
@@ -301,6 +312,10 @@ def check_run_dir(cfg: TrainConfig) -> None:
     directory already holds."""
     out = Path(cfg.out)
     _make_writable_dir(out)
+    tb = out / "tensorboard"
+    if cfg.tensorboard and tb.exists() and not tb.is_dir():
+        raise UsageError(f"{str(tb)!r} is a file, where the TensorBoard event files go; move "
+                         f"it away or pass --no-tensorboard")
     ckpt = out / CHECKPOINTS
     if ckpt.exists() and not ckpt.is_dir():
         raise UsageError(f"{str(ckpt)!r} is a file, not a checkpoint directory; move it away")
@@ -327,12 +342,9 @@ def check_resume_before_steps(cfg: TrainConfig, start: int) -> None:
 
 
 def _make_writable_dir(out: Path) -> None:
-    for p in (out, *out.parents):  # the first one that exists must be a directory
-        if p.exists() or p.is_symlink():
-            if not p.is_dir():
-                where = "is a file" if p == out else f"is under {str(p)!r}, which is a file"
-                raise UsageError(f"--out {str(out)!r} {where}; name a directory")
-            break
+    where = not_a_directory(out)
+    if where:
+        raise UsageError(f"--out {str(out)!r} {where}; name a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):  # access() can say yes where a write fails

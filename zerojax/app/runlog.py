@@ -4,8 +4,10 @@ FLOPs, device memory and learning rate added to what `engine.step` returns."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +15,17 @@ import jax
 import numpy as np
 
 from zerojax.analysis import flops as flops_
+from zerojax.app.files import RunFileError, not_a_directory
 from zerojax.app.sinks import MetricsWriter
+from zerojax.errors import ArgumentError, short
 
 PLOT = "loss.png"
 # engine.step's metrics that a record leaves out: the record has skipped_steps instead of the
 # step's own flag, and `nonfinite` shows as a non-finite loss.
 _OWN = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite")
+# The throughput keys of a step counted from its compiled program (`step_flops` of a model
+# without `flops_per_token`): hardware FLOPs and their utilization, HFU.
+_PROGRAM = {"tflops_per_device": "program_tflops_per_device", "mfu": "hfu"}
 
 
 class RunLog:
@@ -31,26 +38,41 @@ class RunLog:
     device count and the compute dtype; `peak_tflops` the per-device peak MFU is against
     (default: `zj.peak_tflops` of the device for bfloat16/float16 compute, else no MFU).
     `start`: the step a resumed run continues from: the records after it are dropped (the file
-    is replaced, never truncated) and the TensorBoard curves continue from it. Only process 0
-    writes; the others keep the records in memory. A write that fails (a full disk) raises a
-    `RunFileError` (a ValueError) naming the file and its free space, the file as it was."""
+    is replaced, never truncated) and every sink is made to hold the records up to it. Steps
+    must increase: a step at or before the last record's is an `ArgumentError` naming both
+    (to write later steps again, reopen the log from the step to go on from). Every argument
+    is checked here, with one `ArgumentError` (or `RunFileError` for `out`) naming it. Only
+    process 0 writes; the others keep the records in memory. A write that fails (a full disk)
+    raises a `RunFileError` (a ValueError) naming the file and its free space, the file as it
+    was."""
 
     def __init__(self, out, engine=None, *, start: int = 0, tensorboard: bool = True,
                  wandb: str | None = None, config: dict[str, Any] | None = None,
                  peak_tflops: float | None = None, flops_per_step: float | None = None,
                  title: str | None = None, plot_every: float = 30.0):
-        self.out = Path(out)
+        start = step_number("start", start)
+        peak_tflops = _optional("peak_tflops", peak_tflops)
+        flops_per_step = _optional("flops_per_step", flops_per_step)
+        plot_every = flops_.number("plot_every", plot_every, "RunLog", low=0.0)
+        _check_sinks(tensorboard, wandb, config)
+        self.out = Path(out) if isinstance(out, (str, Path)) else None
+        if self.out is None:
+            raise ArgumentError(f"RunLog: out={short(out)} must be a directory path")
         self.engine, self.lead = engine, jax.process_index() == 0
-        self.writer = MetricsWriter(self.out, int(start), enabled=self.lead,
+        if self.lead:
+            make_run_dir(self.out)
+        self.writer = MetricsWriter(self.out, start, enabled=self.lead,
                                     tensorboard=tensorboard, wandb=wandb, config=config)
         self.devices = engine.mesh.devices.size if engine is not None else jax.device_count()
         if peak_tflops is None and engine is not None:
             peak_tflops = flops_.run_peak(engine.mesh.devices.flat[0],
                                           engine.config.param_dtype)[0]
         self.peak, self.flops_per_step = peak_tflops, flops_per_step
+        self._over_peak = False  # warned once that the MFU exceeds 100 %
         self._flops: dict = {}  # batch shapes -> model FLOPs of a step
         self.title = title or (f"{type(engine.model).__name__}, stage {engine.config.stage}, "
-                               f"{self.devices} devices" if engine is not None else str(out))
+                               f"{self.devices} devices ({mesh_text(engine.mesh)})"
+                               if engine is not None else str(out))
         self.plot_every, self._plotted = plot_every, time.perf_counter()
         self.skipped = next((r["skipped_steps"] for r in reversed(self.records)
                              if "skipped_steps" in r), 0)
@@ -75,9 +97,14 @@ class RunLog:
         Reading the metrics waits for the step to finish. `seconds`: the step's time (default:
         the time since the previous `step` returned, or since the log was made); `tokens`: the
         tokens of the global batch (default: from `batch`, see `batch_tokens`)."""
-        values = {k: float(v) for k, v in metrics.items()}  # waits for the step
-        dt = time.perf_counter() - self._last if seconds is None else float(seconds)
-        rec: dict[str, Any] = {"step": int(step), "loss": values["loss"],
+        step = step_number("step", step, "RunLog.step")
+        values = _metric_values(metrics)  # waits for the step
+        if seconds is not None:
+            seconds = flops_.number("seconds", seconds, "RunLog.step", low=0.0)
+        if tokens is not None:
+            tokens = step_number("tokens", tokens, "RunLog.step")
+        dt = time.perf_counter() - self._last if seconds is None else seconds
+        rec: dict[str, Any] = {"step": step, "loss": values["loss"],
                                "grad_norm": values["grad_norm"]}
         lr = values.get("lr") if lr is None else float(lr)
         if lr is not None:
@@ -88,7 +115,13 @@ class RunLog:
         rec["step_time_s"] = dt
         f = self._step_flops(batch)
         if f is not None and dt > 0:
-            rec |= flops_.throughput(f, dt, self.devices, self.peak)
+            tp = flops_.throughput(f, dt, self.devices, self.peak)
+            if tp.get("mfu", 0) > 1 and not self._over_peak:
+                self._over_peak = True
+                warnings.warn(PeakWarning(over_peak(tp["mfu"], step, self.peak)), stacklevel=2)
+            if self._program_flops():  # hardware FLOPs: named so, never as model FLOPs
+                tp = {_PROGRAM[k]: v for k, v in tp.items()}
+            rec |= tp
         if "loss_scale" in values:  # float16's dynamic loss scaling
             self.skipped += int(values.get("skipped", 0))
             rec |= {"loss_scale": values["loss_scale"], "skipped_steps": self.skipped}
@@ -102,7 +135,8 @@ class RunLog:
     def eval(self, step: int, loss: float) -> dict[str, Any]:
         """Writes and returns a record of an evaluation alone (e.g. at step 0, before
         training); at a training step, pass `eval_loss=` to `step` instead."""
-        rec = {"step": int(step), "eval_loss": float(loss)}
+        rec = {"step": step_number("step", step, "RunLog.eval"),
+               "eval_loss": _metric_values({"loss": loss}, need=())["loss"]}
         self._write(rec)
         return rec
 
@@ -113,6 +147,10 @@ class RunLog:
             self.plot()
         self._last = time.perf_counter()  # the log's own time is no step's
 
+    def _program_flops(self) -> bool:
+        return (self.flops_per_step is None and self.engine is not None
+                and not flops_.counts_model_flops(self.engine.model))
+
     def _step_flops(self, batch) -> float | None:
         if self.flops_per_step is not None:
             return self.flops_per_step
@@ -122,6 +160,11 @@ class RunLog:
         if shapes not in self._flops:
             self._flops[shapes] = flops_.step_flops(self.engine, batch)
         return self._flops[shapes]
+
+    def flush(self) -> None:
+        """Makes the records so far durable in every sink (TensorBoard's buffer written);
+        call it before saving a checkpoint, as `python -m zerojax train` does."""
+        self.writer.flush()
 
     def plot(self) -> None:
         """Redraws `loss.png` from the records so far (process 0)."""
@@ -145,6 +188,88 @@ class RunLog:
 
     def __exit__(self, kind, error, tb) -> None:
         self.close(failed=kind is not None)
+
+
+def mesh_text(mesh) -> str:
+    """The mesh's axes as a title shows them: "data 4 × model 2" (axes of size 1 left out,
+    but for data)."""
+    return " × ".join(f"{a} {n}" for a, n in dict(mesh.shape).items() if n > 1 or a == "data")
+
+
+class PeakWarning(UserWarning):
+    """The MFU exceeds 100 %: the peak it is against is below what the device runs."""
+
+
+def over_peak(mfu: float, step: int, peak: float) -> str:
+    """One line: the MFU of `step` exceeds 100 % of `peak`, and the fix."""
+    return (f"MFU {mfu:.1%} at step {step} exceeds 100 %: the peak it is against, {peak:g} "
+            f"TFLOP/s per device, is below what the device runs; give the device's dense "
+            f"peak (--peak-tflops, RunLog(peak_tflops=))")
+
+
+def step_number(name: str, value, where: str = "RunLog") -> int:
+    """`value` as a step (a non-negative integer, or a 0-d integer array such as
+    `state.step`), else one ArgumentError."""
+    whole = isinstance(value, (int, np.integer)) or (
+        hasattr(value, "dtype") and np.ndim(value) == 0
+        and np.issubdtype(np.dtype(value.dtype), np.integer))
+    if isinstance(value, bool) or not whole or value < 0:
+        raise ArgumentError(f"{where}: {name}={short(value)} must be a non-negative integer")
+    return int(value)
+
+
+def _optional(name: str, value) -> float | None:
+    return None if value is None else flops_.number(name, value, "RunLog")
+
+
+def _check_sinks(tensorboard, wandb, config) -> None:
+    if not isinstance(tensorboard, bool):
+        raise ArgumentError(f"RunLog: tensorboard={short(tensorboard)} must be True or False")
+    if tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ArgumentError("RunLog: TensorBoard logging (tensorboard=True, the default) needs "
+                            "the tensorboardX package: pip install tensorboardX, or pass "
+                            "tensorboard=False")
+    if wandb is not None and (not isinstance(wandb, str) or not wandb.strip()):
+        raise ArgumentError(f"RunLog: wandb={short(wandb)} must name a W&B project, e.g. "
+                            f"wandb='zerojax' (or be None)")
+    if wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(f"RunLog: wandb={wandb!r} needs the wandb package: pip install "
+                            f"'zerojax[wandb]', or drop wandb=")
+    if config is not None and not isinstance(config, dict):
+        raise ArgumentError(f"RunLog: config={short(config)} must be a dict (or None)")
+
+
+def make_run_dir(out: Path) -> None:
+    """`out` as a directory (made here), else one RunFileError naming it and the fix."""
+    where = not_a_directory(out)
+    if where:
+        raise RunFileError(f"RunLog: out {str(out)!r} {where}; name a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunFileError(f"RunLog: cannot make the run directory {str(out)!r}: "
+                           f"{e.strerror or e}") from None
+
+
+def _metric_values(metrics, need=("loss", "grad_norm")) -> dict[str, float]:
+    """`engine.step`'s metrics as floats (reading them waits for the step)."""
+    if not isinstance(metrics, dict):
+        raise ArgumentError(f"RunLog.step: metrics={short(metrics)} must be the dict "
+                            f"engine.step returns")
+    missing = [k for k in need if k not in metrics]
+    if missing:
+        raise ArgumentError(f"RunLog.step: metrics lack {', '.join(map(repr, missing))} (they "
+                            f"have {sorted(metrics)}); pass the dict engine.step returns")
+    values = {}
+    for k, v in metrics.items():
+        try:
+            if isinstance(v, (str, bytes)) or np.size(v) != 1:
+                raise TypeError
+            values[k] = float(np.asarray(v).reshape(()))
+        except (TypeError, ValueError):
+            raise ArgumentError(f"RunLog.step: metrics[{k!r}]={short(v)} is not one number")\
+                from None
+    return values
 
 
 def batch_tokens(batch) -> int:

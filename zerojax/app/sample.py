@@ -88,7 +88,7 @@ def _sample(args: SampleConfig, directory: Path) -> str:
     params = engine.params(engine.restore(directory, args.step))  # stays on device
     prompt = args.prompt.encode() or b"\n"
     if max(prompt) >= model.cfg.vocab_size:
-        raise UsageError(f"the prompt has bytes >= preset {cfg.model!r}'s vocab_size "
+        raise UsageError(f"the prompt has bytes >= the vocab_size of preset {cfg.model!r}, "
                          f"{model.cfg.vocab_size}")
     out = generate(model, params, list(prompt), args.tokens, args.temperature, args.seed)
     return bytes(out).decode("utf-8", errors="replace")

@@ -174,11 +174,12 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     """Trains per `cfg` (validated, runtime started); returns the exit code."""
     import jax
 
+    from zerojax import checkpoint
     from zerojax.analysis import flops
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
-    from zerojax.app.runlog import RunLog
+    from zerojax.app.runlog import PeakWarning, RunLog, mesh_text, over_peak
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
@@ -202,7 +203,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
                       clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
                       offload=cfg.offload, quantize_weights=cfg.quantize_weights,
-                      quantize_grads=cfg.quantize_grads, hpz=cfg.hpz)
+                      quantize_grads=cfg.quantize_grads, hpz=cfg.hpz,
+                      delayed_update=cfg.delayed_update)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
         from zerojax.checkpoint.store import MisnamedStep, misnamed_note
@@ -274,7 +276,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         + report.model_rows(engine)
         + report.memory_rows(estimate, measured, measured_host)
         + report.comm_rows(cfg, num_params, len(devices), split, model.cfg)
-        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.FORMULA}; "
+        + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.formula(model)}; "
                      + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
                         else f"no MFU: {peak_from}"))]
         + [("note", n) for n in notes], "zerojax train"))
@@ -282,7 +284,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     def evaluate(state) -> float:
         return float(np.mean([float(engine.evaluate(state, b)["loss"]) for b in evals]))
 
-    title = f"{cfg.model}, stage {stage}, {len(devices)} devices"
+    title = f"{cfg.model}, stage {stage}, {len(devices)} devices ({mesh_text(mesh)})"
+    warnings.simplefilter("ignore", PeakWarning)  # said below as the CLI's own line
+    over_peak_said = False
     log = RunLog(out, engine, start=start, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                  config=extra["train_config"] | {"num_params": num_params,
                                                  "device_count": len(devices),
@@ -310,6 +314,11 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             if cfg.profile and step == start + 1:
                 profiling = out / "profile"
                 jax.profiler.start_trace(str(profiling))
+            # An asynchronous save that failed stops the run at the next step, not the next
+            # save; with several processes at the next save, where all of them wait for it.
+            if saved and pc == 1:
+                with saving(ckpt):
+                    checkpoint.check_saves(ckpt)
             t = time.perf_counter()
             state, metrics = engine.step(state, batch)
             if step + 1 < cfg.steps:  # the host builds the next batch while the device works
@@ -333,7 +342,12 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             rec = log.step(step + 1, metrics, seconds=dt, lr=float(schedule(step)),
                            tokens=tokens_per_step, eval_loss=ev)
             show.update(rec)
+            if rec.get("mfu", 0) > 1 and lead and not over_peak_said:
+                over_peak_said = True
+                print(f"zerojax train: warning: {over_peak(rec['mfu'], step + 1, peak)}",
+                      file=sys.stderr)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                log.flush()  # the checkpoint's steps are in every sink before it commits
                 with saving(ckpt):
                     engine.save(state, ckpt, step + 1, wait=False, extra=extra)
                 saved.add(step + 1)
@@ -351,8 +365,6 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             if step not in saved and step > 0:
                 engine.save(state, ckpt, step, wait=True, extra=extra)
             if saved:
-                from zerojax import checkpoint
-
                 checkpoint.wait_until_finished(ckpt)
     except BaseException:
         log.close(failed=True)
@@ -361,7 +373,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
 
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
-                             flops={"per_step": step_flops, "formula": flops.FORMULA,
+                             flops={"per_step": step_flops, "formula": flops.formula(model),
                                     "peak_tflops": peak, "peak_from": peak_from})
     if lead:
         report.finish(out, summary)

@@ -3,7 +3,14 @@
 until a save, restore or export asks for it."""
 
 from zerojax.checkpoint.export import export, load_exported
-from zerojax.checkpoint.store import read_metadata, restore, save, steps, wait_until_finished
+from zerojax.checkpoint.store import (
+    check_saves,
+    read_metadata,
+    restore,
+    save,
+    steps,
+    wait_until_finished,
+)
 
-__all__ = ["export", "load_exported", "read_metadata", "restore", "save", "steps",
+__all__ = ["check_saves", "export", "load_exported", "read_metadata", "restore", "save", "steps",
            "wait_until_finished"]

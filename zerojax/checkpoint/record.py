@@ -62,9 +62,12 @@ PARTS = ("params", "opt_state", "model_state", "")  # "": the step counter, loss
 
 def parts(tree) -> list:
     """The logical tree in record order: params, optimizer state, model state (None for a
-    model without one), and the step counter, loss scale and base key."""
-    return [tree["params"], tree["opt_state"], tree.get("model_state"),
-            {"loss_scale": tree["loss_scale"], "rng": tree["rng"], "step": tree["step"]}]
+    model without one), and the step counter, loss scale and base key (and, from an engine
+    with delayed_update, the "delayed" params)."""
+    scalars = {"loss_scale": tree["loss_scale"], "rng": tree["rng"], "step": tree["step"]}
+    if "delayed" in tree:  # delayed_update: the params the next step runs on
+        scalars["delayed"] = tree["delayed"]
+    return [tree["params"], tree["opt_state"], tree.get("model_state"), scalars]
 
 
 def unparts(parts) -> dict:

@@ -101,6 +101,16 @@ def wait_until_finished(directory=None) -> None:
             _wait(key, mngr)
 
 
+def check_saves(directory=None) -> None:
+    """Raises the CheckpointError of an asynchronous save (to `directory`, or to any) that has
+    failed by now; returns at once while it is still writing. Cheap enough for every step: a
+    training loop that calls it learns of a failed save at the next step, not the next save."""
+    for key, (mngr, _) in list(_MANAGERS.items()):
+        if key in _PENDING and (directory is None or key == str(_dir(directory))) \
+                and not mngr.is_saving_in_progress():
+            _wait(key, mngr)
+
+
 def _wait(key: str, mngr) -> None:
     try:
         with writing(Path(key), _PENDING.pop(key, None)):
@@ -150,6 +160,8 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra= must be a JSON-serializable dict: {e}") from None
     layout, cfg = engine.layout, engine.config
+    if engine._delay:  # the pending update applied in a program of its own (delayed.py)
+        state = engine._delay.settled(state)
     to_logical, dtypes = _saver(engine)
     tree, sums = to_logical(state)
     if not allow_nonfinite:
@@ -340,7 +352,10 @@ def _match(engine, meta: dict, where: str):
     leaves = tuple(LeafSpec(d["path"], tuple(d["shape"]), bool(d["stacked"]))
                    for d in meta["params"])
     treedef = jax.tree.structure(model)
-    target = engine.logical_target(leaves, treedef)
+    # Saved with delayed_update: the params its next step runs on, which another engine reads
+    # (and checks) but continues without.
+    delayed = any(d["keys"][:1] == ["delayed"] for d in meta["scalars"])
+    target = engine.logical_target(leaves, treedef, delayed=delayed)
     diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
@@ -397,15 +412,18 @@ def restore(engine, directory, step: int | None = None):
     """The `TrainState` of `step` (default: latest) on this engine's mesh and stage.
 
     `directory`: a checkpoint directory, or a training run directory holding `checkpoints/`.
-    When the latest step is damaged, the CheckpointError names the intact older steps (also
-    as its `intact_steps`, newest first), any of which restores with `step=`."""
+    When the latest step is damaged (or its record alone is of another model: edited), the
+    CheckpointError names the intact older steps (also as its `intact_steps`, newest first),
+    any of which restores with `step=`."""
     path, mngr, complete = _complete(directory)
     chosen = _pick(path, complete, step)
     try:
         tree, leaves, treedef, meta = _load(engine, mngr, path, chosen)
-    except _Damaged as e:
+    except CheckpointError as e:  # damaged, or its record is of another model
         older = [s for s in reversed(complete) if s < chosen] if step is None else []
         intact = [s for s in older if _intact(engine, mngr, path, s)]
+        if not isinstance(e, _Damaged) and not intact:
+            raise  # the whole checkpoint is of another model (or none older is intact)
         if intact:
             more = (f"; intact older steps, newest first: {intact}; restore one with "
                     f"step={intact[0]}")

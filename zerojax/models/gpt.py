@@ -267,5 +267,9 @@ class GPT:
         The token/position tables are lookups, not matmuls; the untied head is counted in N.
         """
         c = self.cfg
-        n = self.num_params() - (c.vocab_size + c.seq_len) * c.d_model
-        return 6 * n + 12 * c.n_layers * (seq_len or c.seq_len) * c.d_model
+        return 6 * self.flops_params() + 12 * c.n_layers * (seq_len or c.seq_len) * c.d_model
+
+    def flops_params(self) -> int:
+        """N of `flops_per_token`'s 6·N: the params without the token and position tables."""
+        c = self.cfg
+        return self.num_params() - (c.vocab_size + c.seq_len) * c.d_model

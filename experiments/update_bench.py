@@ -1,0 +1,214 @@
+"""The offloaded optimizer update alone: its state traffic per second next to a plain memory
+copy measured in the same process (ZeRO-Offload's update should run at the host's memory
+bandwidth).
+
+The update is the engine's own (`ShardedUpdate` with `offload=True`: `run_offloaded`, the
+local work under `compute_on("device_host")`), compiled alone over the state of a one-leaf
+model of `params` elements, the master and optimizer state in pinned host memory and donated,
+as the step donates them. Bytes per step: the gradient shard, master and optimizer state read,
+master and optimizer state and the compute-dtype shard written.
+
+    .venv/bin/python experiments/update_bench.py --params 50e6
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zerojax
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.precision import DTYPES  # noqa: E402
+from zerojax.update import HOST, to_memory  # noqa: E402
+
+
+class FlatModel:
+    """One parameter leaf `w` of `size` elements (the update's cost does not depend on the
+    model's shapes, only on the elements it touches)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def init(self, rng):
+        del rng
+        return {"w": jnp.zeros((self.size,), jnp.float32)}
+
+    def loss(self, params, batch, units):
+        w = units.gather(params)["w"]
+        return jnp.mean(jnp.square(w[None, :8].astype(jnp.float32) * batch["x"]))
+
+
+BATCH = {"x": np.ones((2, 8), np.float32)}
+
+
+def offload_engine(size: int, optimizer, param_dtype: str = "bfloat16") -> tuple:
+    """An initialised stage-3 offload engine over one device and its state (`eng.init(key,
+    BATCH)` gives another)."""
+    eng = zj.Engine(FlatModel(size), optimizer, zj.make_mesh(data=1, devices=jax.devices()[:1]),
+                    zj.ZeroConfig(stage=3, offload="optimizer", param_dtype=param_dtype))
+    return eng, eng.init(jax.random.key(0), BATCH)
+
+
+def update_fn(eng, donate: bool = True):
+    """`(master, opt_state, grads) -> (master, opt_state, compute shards)`: the step's
+    offloaded update alone (no clipping, no skip), the host state donated if `donate`.
+
+    The donated arguments come in the order of the outputs they become: jax pairs donated
+    inputs with outputs of the same type in order, and a crossed pairing costs XLA a copy
+    of each buffer."""
+    plan, specs, shard = eng.plan, eng._manual_specs(), eng.state_shardings()
+
+    def body(master, opt_state, grads):
+        one = jnp.float32(1)
+        reduced = (grads, one, one, None, jnp.float32(0))
+        return plan.update(to_memory(reduced, HOST), opt_state, master, offload=True)
+
+    shards = jax.tree.leaves(specs.master, is_leaf=lambda x: isinstance(x, P))
+    sm = jax.shard_map(body, mesh=eng.mesh,
+                       in_specs=(specs.master, specs.opt_state, specs.master),
+                       out_specs=(specs.master, specs.opt_state, shards),
+                       axis_names=frozenset(eng.axes), check_vma=True)
+    return jax.jit(sm, donate_argnums=(0, 1) if donate else (),
+                   out_shardings=(shard.master, shard.opt_state, None))
+
+
+def cpu_backend_fn(optimizer, dtype):
+    """The same AdamW step as one program of the CPU backend (outside any device program:
+    on a GPU machine, the host's own XLA:CPU with its thread pool), its state donated."""
+    def step(master, opt, grads):
+        updates, opt = optimizer.update(grads.astype(jnp.float32), opt, master)
+        master = optax.apply_updates(master, updates)
+        return master, opt, master.astype(dtype)
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+
+class Threaded:
+    """A callable that runs `fn` on its state and returns the seconds it took (state threaded
+    through each call, as the step threads it)."""
+
+    def __init__(self, fn, *state):
+        self.fn, self.state = fn, state
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        *self.state, out = self.fn(*self.state)
+        jax.block_until_ready((self.state, out))
+        return time.perf_counter() - t0
+
+
+def cpu_backend_timer(params: int, optimizer, dtype) -> Threaded:
+    """`cpu_backend_fn` on `params` elements in CPU memory."""
+    cpu = jax.devices("cpu")[0]
+    master = jax.device_put(jnp.zeros((params,), jnp.float32), cpu)
+    opt = jax.device_put(optimizer.init(master), cpu)
+    grads = jax.device_put(jnp.full((params,), 1e-3, dtype), cpu)
+    fn = cpu_backend_fn(optimizer, dtype)
+    return Threaded(lambda m, o: fn(m, o, grads), master, opt)
+
+
+def state_bytes(eng, state, grads) -> int:
+    """Bytes one update reads and writes: grads + master + state in, master + state + the
+    compute shard out."""
+    size = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+    compute = sum(x.size for x in jax.tree.leaves(state.master)) * np.dtype(
+        DTYPES[eng.config.param_dtype]).itemsize
+    return size(grads) + 2 * (size(state.master) + size(state.opt_state)) + compute
+
+
+def copy_timer(nbytes: int, threads: int, pool: ThreadPoolExecutor):
+    """() -> seconds of one `np.copyto` of `nbytes`, split over `threads` of `pool`."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    bounds = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(src.size), threads) if p.size]
+
+    def copy(b):
+        np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]])
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        list(pool.map(copy, bounds))
+        return time.perf_counter() - t0
+
+    return run
+
+
+def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bfloat16") -> dict:
+    """The offloaded AdamW update of `params` elements (donated, and not; and the same AdamW
+    as a donated program of the CPU backend) against a one-thread and an all-core `np.copyto`
+    of the same bytes (read + written), in this process. Round-robin: each repeat times every
+    one once, so load drift on a shared machine hits all alike; medians over the repeats."""
+    optimizer = optax.adamw(1e-3, weight_decay=0.1)
+    eng, state = offload_engine(params, optimizer, param_dtype)
+    dtype = DTYPES[param_dtype]
+    grads = jax.tree.map(lambda m: jnp.full(m.shape, 1e-3, dtype), state.master)
+    moved = state_bytes(eng, state, grads)
+    cores = os.cpu_count() or 1
+    pool = ThreadPoolExecutor(cores)
+    copies = {"1 thread": copy_timer(moved // 2, 1, pool),
+              f"{cores} threads": copy_timer(moved // 2, cores, pool)}
+    updates = {}
+    for i, d in enumerate(donate):
+        fn = update_fn(eng, donate=d)
+        if i:  # a state of its own: the first timer donates its state away
+            state = eng.init(jax.random.key(0), BATCH)
+        updates["donated" if d else "not donated"] = Threaded(
+            lambda m, o, fn=fn: fn(m, o, grads), state.master, state.opt_state)
+    updates["CPU-backend program"] = cpu_backend_timer(params, optimizer, dtype)
+    timers = {**{("copy", k): v for k, v in copies.items()},
+              **{("update", k): v for k, v in updates.items()}}
+    times = {k: [] for k in timers}
+    for i in range(repeats + 1):  # the first: compile, page the outputs in
+        for k, run in timers.items():
+            t = run()
+            if i:
+                times[k].append(t)
+    pool.shutdown()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    copy = {k: moved / med["copy", k] for k in copies}
+    best = max(copy.values())
+    return {"params": params, "bytes_per_update": moved, "cores": cores, "repeats": repeats,
+            "copy_bytes_per_s": copy,
+            "update": {k: {"median_s": med["update", k], "bytes_per_s": moved / med["update", k],
+                           "ratio_to_copy": moved / med["update", k] / best} for k in updates}}
+
+
+def table(res: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.2f} GB/s"
+    best = max(res["copy_bytes_per_s"].values())
+    lines = [f"offloaded AdamW update of {res['params']:,} params on {res['cores']} cores: "
+             f"{res['bytes_per_update'] / 1e9:.2f} GB read + written per update"]
+    for name, bw in res["copy_bytes_per_s"].items():
+        lines.append(f"  np.copyto, {name:<17} {gb(bw):>12}  ({bw / best:.2f}x the best copy)")
+    for name, r in res["update"].items():
+        lines.append(f"  update, {name:<20} {gb(r['bytes_per_s']):>12}  "
+                     f"({r['ratio_to_copy']:.2f}x the best copy; {r['median_s'] * 1e3:.1f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=50e6, help="elements of the update's shard")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
+    a = p.parse_args(argv)
+    res = measure(int(a.params), a.repeats, param_dtype=a.param_dtype)
+    print(table(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

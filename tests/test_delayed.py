@@ -1,0 +1,252 @@
+"""The delayed parameter update (`ZeroConfig(offload="optimizer", delayed_update=K)`) against
+a single-device optax loop with the same one-step delay (zerojax/delayed.py states the
+recurrence)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
+from jax.extend.core import Literal
+from test_model_axis import gpt as axis_gpt
+from test_precision import BATCH as SEED_BATCH
+from test_state import BATCHES, Norm, assert_bitwise
+
+import zerojax as zj
+from zerojax.mesh import put_batch
+from zerojax.models import SeedMLP
+from zerojax.units import PlainUnits
+
+
+def delayed_reference(model, tx, batches, k, rng=0, **units):
+    """Single-device optax where step t >= k differentiates at the params before the previous
+    step's update: (losses, grad norms, final params with every update applied, model state).
+    `units`: PlainUnits' options (a compute dtype)."""
+    params = jax.jit(model.init)(jax.random.key(rng))
+    state = tx.init(params)
+    ms = model.init_state(None) if hasattr(model, "init_state") else None
+
+    @jax.jit
+    def step(params, ran_on, state, ms, batch):
+        def f(p):
+            u = PlainUnits(state=ms, **units)
+            return model.loss(p, batch, u).astype(jnp.float32), u.state
+
+        (loss, ms), g = jax.value_and_grad(f, has_aux=True)(ran_on)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, ms, loss, optax.tree.norm(g)
+
+    before, losses, norms = params, [], []  # before: the params before the last update
+    for t, b in enumerate(batches):
+        new, state, ms, loss, norm = step(params, params if t < k else before, state, ms, b)
+        before, params = params, new
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return np.array(losses), np.array(norms), params, ms
+
+
+def moved_error(params, ref, start) -> float:
+    """|params - ref| relative to how far the reference moved from `start` (L2, all leaves)."""
+    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64))))
+                       for x in jax.tree.leaves(t))
+    diff = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                        params, ref)
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                         ref, start)
+    return float(np.sqrt(sq(diff) / sq(moved)))
+
+
+def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=None, **cfg):
+    """The engine's run against `delayed_reference` (of `ref_model`, default `model`):
+    (engine, final state, params' error relative to the reference's move)."""
+    tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
+    ref_losses, ref_norms, ref_params, ref_ms = delayed_reference(ref_model or model, tx,
+                                                                  batches, k)
+    eng = zj.Engine(model, optimizer, mesh, zj.ZeroConfig(
+        offload="optimizer", delayed_update=k, clip_norm=clip, **cfg))
+    losses, params, state = engine_run(eng, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(engine_run.norms, ref_norms, rtol=1e-4)
+    err = moved_error(params, ref_params, jax.jit(model.init)(jax.random.key(0)))
+    assert err <= 1e-5, f"params off by {err:.3g} of the reference's move"
+    if ref_ms is not None:
+        assert_tree_close(eng.model_state(state), ref_ms, rtol=1e-5, atol=1e-6)
+    return eng, state, err
+
+
+def gpt_batches(steps=5, batch=8):
+    return [gpt_batch(tiny_gpt().cfg, batch, s) for s in range(steps)]
+
+
+def test_delayed_update_with_model_state_matches_the_delayed_loop():
+    """The quick tier's point: stage 3 on 4 devices, K = 2, clipping, BatchNorm statistics."""
+    mesh = zj.make_mesh(data=4)
+    check_delayed(Norm(zj.batch_axes(mesh)), optax.adam(1e-2, eps=1e-6), BATCHES[:5], mesh,
+                  k=2, clip=1.0, ref_model=Norm(), stage=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, mesh, cfg", [
+    (1, dict(data=4), {}), (3, dict(data=4), {}),
+    (3, dict(replica=2, data=2), {}), (1, dict(replica=2, data=2), {}),
+    (2, dict(data=2), dict(grad_accum=2)),
+    (3, dict(replica=2, data=2), dict(hpz=True)),
+])
+def test_delayed_update_matches_the_delayed_single_device_loop(stage, mesh, cfg):
+    eng, state, _ = check_delayed(tiny_gpt(), adamw(), gpt_batches(6), zj.make_mesh(**mesh),
+                                  k=2, stage=stage, **cfg)
+    # evaluate reads the params with the pending update applied
+    batch = gpt_batch(tiny_gpt().cfg, 8, 99)
+    want = tiny_gpt().loss(eng.params(state), batch, PlainUnits())
+    np.testing.assert_allclose(float(eng.evaluate(state, batch)["loss"]), float(want),
+                               rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3, 1])
+def test_delayed_update_on_the_model_axis(stage):
+    check_delayed(axis_gpt(), adamw(), gpt_batches(5, 8), zj.make_mesh(data=2, model=2),
+                  k=1, stage=stage)
+
+
+@pytest.mark.slow
+def test_the_first_k_steps_are_plain_offloads_and_k0_runs_as_k1():
+    model, batches = tiny_gpt(), gpt_batches(4)
+    losses, params = {}, {}  # params after 3 steps
+    for k in (None, 0, 1, 3):
+        eng = zj.Engine(model, adamw(), zj.make_mesh(data=4), zj.ZeroConfig(
+            stage=3, offload="optimizer", delayed_update=k, clip_norm=CLIP))
+        state, losses[k] = eng.init(jax.random.key(0), batches[0]), []
+        for t, b in enumerate(batches):
+            if t == 3:
+                params[k] = eng.params(state)
+            state, m = eng.step(state, b)
+            losses[k].append(float(m["loss"]))
+    # K = 3: the first 3 steps are plain offload's (the update of the third is applied by
+    # engine.params, not by the step: the same arithmetic in another program)
+    np.testing.assert_array_equal(losses[3][:3], losses[None][:3])
+    assert_tree_close(params[3], params[None], rtol=1e-6, atol=1e-7)
+    assert abs(losses[3][3] - losses[None][3]) > 1e-4  # the fourth ran on stale params
+    np.testing.assert_array_equal(losses[0], losses[1])  # step 0 has no update to wait for
+    assert_bitwise(params[0], params[1])
+
+
+@pytest.mark.slow
+def test_a_skipped_step_leaves_nothing_pending():
+    """float16 loss scaling: the first steps overflow and are skipped. A skipped step's update
+    is skipped (nothing pending after it); the run then equals one that started at the scale
+    the skips left, from the untouched initial params."""
+    mesh = zj.make_mesh(data=2, replica=2)
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+
+    def engine(scale):
+        return zj.Engine(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, zj.ZeroConfig(
+            stage=3, param_dtype="float16", loss_scale_init=scale, clip_norm=5.0,
+            grad_accum=2, offload="optimizer", delayed_update=0))
+
+    eng = engine(2.0**17)
+    state, losses, skipped = eng.init(jax.random.key(0), batch), [], []
+    for _ in range(8):
+        state, m = eng.step(state, batch)
+        losses.append(float(m["loss"]))
+        skipped.append(int(m["skipped"]))
+        if skipped[-1]:
+            assert not bool(state.pending.ok)
+            assert all(not np.asarray(g).any() for g in jax.tree.leaves(state.pending.grads))
+    s = sum(skipped)
+    assert 0 < s < 8 and skipped == [1] * s + [0] * (8 - s)
+    assert bool(state.pending.ok)
+
+    again = engine(2.0**17 / 2**s)
+    state2, losses2 = again.init(jax.random.key(0), batch), []
+    for _ in range(8 - s):
+        state2, m = again.step(state2, batch)
+        losses2.append(float(m["loss"]))
+    np.testing.assert_array_equal(losses2, losses[s:])
+    assert_bitwise(again.params(state2), eng.params(state))
+    assert_bitwise(again.optimizer_state(state2), eng.optimizer_state(state))
+
+
+@pytest.mark.slow
+def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(tmp_path):
+    model, batches = tiny_gpt(), gpt_batches(5)
+
+    def engine(n, stage, k=1, replica=1):
+        return zj.Engine(model, adamw(), zj.make_mesh(data=n, replica=replica),
+                         zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer",
+                                       delayed_update=k))
+
+    eng = engine(4, 3)
+    state = eng.init(jax.random.key(0), batches[0])
+    losses = []
+    for t, b in enumerate(batches):
+        if t == 3:
+            eng.save(state, tmp_path / "ckpt")  # step 3: step 2's update is pending
+            saved = eng.params(state)
+        state, m = eng.step(state, b)
+        losses.append(float(m["loss"]))
+
+    other = engine(1, 1, replica=2)  # 4 devices at stage 3 -> 2 replicas at stage 1
+    restored = other.restore(tmp_path / "ckpt")
+    assert int(restored.step) == 3
+    assert_bitwise(other.params(restored), saved)  # the checkpoint's params: all applied
+    resumed = []
+    for b in batches[3:]:
+        restored, m = other.step(restored, b)
+        resumed.append(float(m["loss"]))
+    np.testing.assert_allclose(resumed, losses[3:], rtol=1e-5)
+    start = jax.jit(model.init)(jax.random.key(0))
+    assert moved_error(other.params(restored), eng.params(state), start) <= 1e-5
+
+    # Without the delay, a restore continues from the params with every update applied.
+    plain = engine(2, 2, k=None)
+    assert_bitwise(plain.params(plain.restore(tmp_path / "ckpt")), saved)
+
+
+def _tainted(jaxpr, marked: list[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs `marked`: through jit and shard_map
+    bodies exactly, through anything else conservatively (every output of an equation that
+    reads a marked value)."""
+    bad = {v for v, m in zip(jaxpr.invars, marked) if m}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, Literal) and v in bad for v in eqn.invars]
+        inner = eqn.params.get("jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        if eqn.primitive.name in ("pjit", "jit", "shard_map") and inner is not None:
+            outs = _tainted(inner, ins)
+        else:
+            outs = [any(ins)] * len(eqn.outvars)
+        bad |= {v for v, m in zip(eqn.outvars, outs) if m}
+    return [not isinstance(v, Literal) and v in bad for v in jaxpr.outvars]
+
+
+def test_the_update_reads_nothing_the_backward_computes():
+    """In a delayed step the host's update (the new master and optimizer state) does not depend
+    on the batch, so XLA may run it beside the forward and backward; the pending gradient
+    does."""
+    mesh = zj.make_mesh(data=4)
+    eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
+        stage=3, offload="optimizer", delayed_update=0))
+    eng.init(jax.random.key(0), BATCHES[0])
+    state, batch = eng.abstract_state(), put_batch(BATCHES[0], mesh)
+    closed = jax.make_jaxpr(eng._compiled_step())(state, batch)
+    n = len(jax.tree.leaves(state))
+    out = jax.tree.unflatten(jax.tree.structure((state, {"x": 0})), _tainted(
+        closed.jaxpr, [False] * n + [True] * len(jax.tree.leaves(batch)))[:n] + [0])[0]
+    assert not any(jax.tree.leaves((out.master, out.opt_state)))
+    assert all(jax.tree.leaves(out.pending.grads)) and out.model_state["mean"]
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"stage": 3, "delayed_update": 2}, r"delayed_update=2 needs offload='optimizer' \(got "
+                                        r"offload=None\).*add offload='optimizer'"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": -1}, "must be an integer K >= 0"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": 2.0}, r"\(float\) must be an "
+                                                                  r"integer K >= 0"),
+    ({"stage": 1, "offload": "optimizer", "delayed_update": True}, r"\(bool\) must be"),
+])
+def test_bad_delayed_update_is_one_config_error(cfg, match):
+    with pytest.raises(zj.ConfigError, match=match):
+        zj.ZeroConfig(**cfg)
+    assert zj.ZeroConfig(stage=2, offload="optimizer", delayed_update=0).delayed_update == 0
