@@ -93,6 +93,9 @@ class Engine:
         paths = [jax.tree_util.keystr(p) for p, _ in paths_avals]
         flat = Layout(tuple(LeafSpec(p, a.shape, False) for p, a in zip(paths, avals)),
                       treedef, 1, True)
+        # The plan's refusals (nothing split on a model axis, a split M does not divide) need
+        # no trace: made here, before it, as the leaves would be split were none stacked.
+        self._splits(flat.leaves, treedef)
         devices = self.replica * self.data
         local = self.config.grad_accum * devices
         recs = []

@@ -7,10 +7,11 @@ traces the model (`model_axes`):
 
 - every `jax.lax` collective given `batch_axis` runs over the mesh's bound batch axes instead
   (`("replica", "data")`, or `("data",)`): the model's batch axis is the global batch;
-- `jax.lax.with_sharding_constraint` keeps only its `model` part: inside the shard_map the
-  batch axes are manual (an array is one device's batch), and zerojax lays the params out its
-  own way, but on a mesh with a model axis an activation constraint naming "model" is the
-  model's tensor-parallel plan (without a model axis the constraint is the identity).
+- every sharding hint on an activation (`with_sharding_constraint`, `reshard`, `out_sharding=`)
+  goes through the model's logical axis rules and keeps only its `model` part (`hints.py`):
+  inside the shard_map the batch axes are manual (an array is one device's batch), and
+  zerojax lays the params out its own way, but on a mesh with a model axis a hint naming
+  "model" is the model's tensor-parallel plan (without a model axis every hint is the identity).
 
 The params' own annotations (boxes with mesh-axis or logical names, NNX sharding metadata)
 become the model's `param_specs()` through `mesh_spec`: a logical name goes through the
@@ -35,20 +36,19 @@ import re
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.adapters import hints
 from zerojax.adapters.common import LOCK
 from zerojax.errors import ModelError
 from zerojax.mesh import DATA, MODEL, REPLICA
 
 MESH_AXES = (REPLICA, DATA)  # the batch axes a zerojax mesh may have, outermost first
-ALL_AXES = (REPLICA, DATA, MODEL)  # every axis a zerojax mesh may have
+ALL_AXES = hints.ALL_AXES  # every axis a zerojax mesh may have
 
 _OFF = object()  # _ACTIVE outside model_axes
 # While a model is traced: the model's batch axis name (or None); else _OFF.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zerojax_model_axes", default=_OFF)
-_CONSTRAINT = lax.with_sharding_constraint
 _INSTALLED = [0]  # how many model_axes contexts are open (the patch is installed while > 0)
 
 
@@ -121,24 +121,6 @@ def _wrap(name, f, sig):
     return collective
 
 
-def _model_constraint(x, shardings, *args, **kwargs):
-    if _ACTIVE.get() is _OFF:
-        return _CONSTRAINT(x, shardings, *args, **kwargs)
-    if MODEL not in jax.sharding.get_abstract_mesh().axis_names:
-        return x
-
-    def one(y, sharding):
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
-        if not isinstance(spec, P):
-            return y
-        kept = [MODEL if MODEL in (e if isinstance(e, tuple) else (e,)) else None for e in spec]
-        return _CONSTRAINT(y, P(*kept)) if MODEL in kept else y
-
-    if isinstance(shardings, (P, NamedSharding)):
-        return jax.tree.map(lambda y: one(y, shardings), x)
-    return jax.tree.map(one, x, shardings, is_leaf=lambda v: isinstance(v, (P, NamedSharding)))
-
-
 def check_rules(rules, where: str):
     """`rules` (flax's logical axis rules: (logical name, mesh axis | axes | None) pairs) as a
     tuple, or a ModelError naming a rule whose mesh axis no zerojax mesh has."""
@@ -162,46 +144,64 @@ def check_rules(rules, where: str):
     return rules
 
 
-def mesh_spec(names, rules) -> P | None:
+def mesh_spec(names, rules, strict: str | None = None) -> P | None:
     """A param's axis names (logical names, or mesh axes) as a PartitionSpec over zerojax's
     mesh axes: a name in `rules` becomes its rule's axis (the first rule for it), a mesh
-    axis name stays, anything else is None."""
+    axis name stays, anything else is None (linen's logical names: flax leaves an unmatched
+    one unsplit) or, given `strict` (where the names were seen: NNX sharding metadata, whose
+    names flax takes as mesh axes after its rules), a ModelError naming it and the rule."""
     if names is None:
         return None
     lookup = dict(reversed(rules or ()))
+
+    def one(a):
+        if a in lookup:
+            return lookup[a]
+        if a is None or a in ALL_AXES:
+            return a
+        if strict is not None:
+            raise ModelError(
+                f"{strict}'s sharding annotation {tuple(names)} names the axis {a!r}, which "
+                f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; add "
+                f"the rule ({a!r}, {MODEL!r}) to logical_axis_rules= if it is a tensor-parallel "
+                f"dimension, ({a!r}, None) if not")
+        return None
+
     out = []
     for n in names:
         if isinstance(n, (tuple, list)):
-            axes = [lookup.get(a, a if a in ALL_AXES else None) for a in n]
-            axes = tuple(a for a in axes if a is not None)
-            out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
-        elif n in lookup:
-            out.append(lookup[n])
+            axes = []
+            for a in n:
+                t = one(a)
+                axes += [x for x in (t if isinstance(t, (tuple, list)) else (t,)) if x]
+            out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
         else:
-            out.append(n if n in ALL_AXES else None)
+            out.append(one(n))
     return P(*out)
 
 
 @contextlib.contextmanager
-def model_axes(batch_axis):
+def model_axes(batch_axis, rules=None, adapter="from_linen"):
     """While active, in this thread: `jax.lax` collectives given `batch_axis` reduce over the
-    mesh's bound batch axes, and sharding constraints keep only their `model` part."""
+    mesh's bound batch axes, and sharding hints go through `rules`, keeping only their `model`
+    part (`hints.py`; `adapter` names the function that takes the rules, for its errors)."""
     token = _ACTIVE.set(batch_axis)
     with LOCK:  # the patch is process-wide; the wrappers check _ACTIVE (this context only)
         if not _INSTALLED[0]:
             for name, (f, sig) in _COLLECTIVES.items():
                 setattr(lax, name, _wrap(name, f, sig))
-            lax.with_sharding_constraint = _model_constraint
+            hints.install()
         _INSTALLED[0] += 1
         try:
-            with named_axis_errors(batch_axis):
+            with named_axis_errors(batch_axis), hints.foreign_axis_errors(), \
+                    hints.active(hints.Hints(rules, batch_axis, adapter)):
                 yield
         finally:
             _INSTALLED[0] -= 1
             if not _INSTALLED[0]:
                 for name, (f, _) in _COLLECTIVES.items():
                     setattr(lax, name, f)
-                lax.with_sharding_constraint = _CONSTRAINT
+                hints.uninstall()
             _ACTIVE.reset(token)
 
 
@@ -233,7 +233,7 @@ def named_axis_errors(batch_axis):
             f"over the global batch") from None
 
 
-def bound_axes(fn, batch_axis):
+def bound_axes(fn, batch_axis, rules=None, adapter="from_linen"):
     """`fn(*args)` with the mesh's batch axis names and `batch_axis` bound to axes of one
     device (size-1 `vmap` axes: a reduction over them sees this call's values only) and no
     sharding constraints, for the adapters' own traces outside the step. The computation is
@@ -244,7 +244,7 @@ def bound_axes(fn, batch_axis):
         f = lambda _: fn(*args)  # noqa: E731
         for name in names:
             f = jax.vmap(f, in_axes=None, axis_size=1, axis_name=name)
-        with model_axes(batch_axis):
+        with model_axes(batch_axis, rules, adapter):
             out = f(jnp.zeros(()))
         return jax.tree.map(lambda x: x[(0,) * len(names)], out)
 

@@ -86,7 +86,7 @@ class LinenModel:
                                   for i, n in enumerate(self.rng_names)}}
         init = bound_axes(lambda: dict(self.module.init(rngs, *self.sample_args,
                                                         **self.sample_kwargs)),
-                          self.batch_axis)
+                          self.batch_axis, self.rules)
         return init()
 
     def _variables(self, rng):
@@ -106,7 +106,7 @@ class LinenModel:
                 self.module.apply(variables, *self.sample_args, rngs=rngs,
                                   mutable=list(self.state_cols), **self.sample_kwargs)
 
-        jax.eval_shape(bound_axes(run, self.batch_axis), abstract)
+        jax.eval_shape(bound_axes(run, self.batch_axis, self.rules), abstract)
 
     def _submodules(self, abstract) -> list[Found]:
         """Every submodule instance the sample call runs that holds params."""
@@ -166,7 +166,7 @@ class LinenModel:
 
     def loss(self, params, batch, units):
         apply = Apply(self, params, units)
-        with model_axes(self.batch_axis), nn.logical_axis_rules(self.rules or ()):
+        with model_axes(self.batch_axis, self.rules), nn.logical_axis_rules(self.rules or ()):
             if self._loss_takes_rngs:
                 return self.loss_fn(apply, batch, rngs=apply.fresh_rngs())
             return self.loss_fn(apply, batch)

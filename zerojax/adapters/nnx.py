@@ -116,7 +116,7 @@ class NNXModel:
         token = _ACTIVE.set((units, placeholders, used))
         try:
             with scan_through(units, placeholders, used, iteration, "jax", JaxWith), \
-                    model_axes(self.batch_axis):
+                    model_axes(self.batch_axis, self.rules, "from_nnx"):
                 out = self.loss_fn(module, batch, **keys)
         finally:
             _ACTIVE.reset(token)
@@ -160,8 +160,10 @@ class NNXModel:
         """The params' tensor-parallel plan from their sharding metadata (`nnx.with_partitioning`
         names, mesh axes or logical names through the logical axis rules); none: replicated."""
         specs = nnx.to_pure_dict(nnx.get_partition_spec(self._params_def))
-        return jax.tree.map(lambda s: mesh_spec(tuple(s), self.rules) if s else None, specs,
-                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return jax.tree_util.tree_map_with_path(
+            lambda path, s: mesh_spec(tuple(s), self.rules, strict=f"parameter "
+                                      f"{jax.tree_util.keystr(path)}") if s else None,
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
     def merge(self, params: dict, model_state: dict | None = None) -> nnx.Module:
         """A new module like the user's with `params` (e.g. `engine.params(state)`) and
