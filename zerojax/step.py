@@ -45,7 +45,7 @@ from zerojax.mesh import DATA, REPLICA
 from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, update_loss_scale
 from zerojax.state import TrainState
-from zerojax.units import ShardUnits, make_handles
+from zerojax.units import ShardUnits, UnitReused, make_handles
 from zerojax.update import DEVICE, HOST, ShardedUpdate, to_memory
 
 
@@ -152,8 +152,30 @@ def compute_params(plan: StepPlan, state: TrainState) -> list:
     return masters
 
 
+def per_unit(plan: StepPlan) -> bool:
+    """Whether each unit's reduced gradient shard goes to the host inside the backward (stages
+    2-3 with offload), rather than the whole gradient after it. Not (yet) where the shard is
+    still summed after its reduce-scatter or produced by another backward rule: micro-batch
+    sums (grad_accum > 1), the replica all-reduce and hpZ (replica > 1), prefetch's backward,
+    leaves split over the model axis; nor with qgZ's quantized reductions, whose blocks turn
+    the norm's last-bit difference into visible ones (docs/performance.md)."""
+    cfg = plan.config
+    return (cfg.offload is not None and cfg.stage >= 2 and cfg.grad_accum == 1
+            and plan.replica == 1 and not (cfg.stage == 3 and cfg.prefetch)
+            and plan.layout.model == 1 and cfg.quantize_grads is None)
+
+
 def local_step(plan: StepPlan, state: TrainState, batch):
     """One optimizer step on this device's batch slice; returns (new state, metrics)."""
+    if per_unit(plan):
+        try:
+            return _local_step(plan, state, batch, True)
+        except UnitReused:  # a unit used so that its gradient is summed after it leaves
+            pass
+    return _local_step(plan, state, batch, False)
+
+
+def _local_step(plan: StepPlan, state: TrainState, batch, to_host: bool):
     cfg, layout = plan.config, plan.layout
     stage, k = cfg.stage, cfg.grad_accum
     comp = compute_params(plan, state)
@@ -169,16 +191,27 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         args = [vary(c.astype(plan.rdtype), plan.axes) for c in comp]
     handles = make_handles(layout)
     scale = state.loss_scale.scale
+    denom = plan.replica * plan.data * k * scale
+    if to_host:
+        # What is differentiated: per leaf a zero in host memory (its gradient arrives there,
+        # unit by unit) and a zero f32 per unit (its gradient: the unit's sum of squares).
+        standins = [vary(to_memory(jnp.zeros(_shard_shape(layout, leaf), plan.rdtype), HOST),
+                         plan.axes) for leaf in layout.leaves]
+        sqs = [vary(jnp.zeros(_shard_shape(layout, leaf)[:-1], jnp.float32), plan.axes)
+               for leaf in layout.leaves]
+        bases, args = args, (standins, sqs)
     key = device_key(state.rng, state.step, plan.axes)
     local = jax.tree.leaves(batch)[0].shape[0]
     ex_key, first = example_keys(state.rng, state.step, plan.axes, local)
 
     def loss_fn(args, mb, model_state, j):
         m = local // k
+        host = (*args, denom) if to_host else None
+        args = bases if to_host else args
         units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch,
                            key=jax.random.fold_in(key, j), state=model_state, training=True,
                            example_key=ex_key, rows=first + j * m + jnp.arange(m),
-                           wire=plan.wire)
+                           wire=plan.wire, host=host)
         loss, aux = split_loss(plan.model.loss(handles, mb, units))
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, aux, units.state)
@@ -206,9 +239,12 @@ def local_step(plan: StepPlan, state: TrainState, batch):
         loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
     model_state = average_state(model_state, plan.axes)
 
-    grads = _reduce(plan, grads)  # the reduced shard, in the reduction (or accumulation) dtype
-    denom = plan.replica * plan.data * k * scale
-    sq = sum(jnp.sum(jnp.square(_unscale(g, denom))) for g in grads)
+    if to_host:  # the shards in host memory; their sums of squares, per unit, on the device
+        grads, sqs = grads
+        sq = sum(jnp.sum(q) for q in sqs)
+    else:
+        grads = _reduce(plan, grads)  # the reduced shard, in the reduction (or accumulation) dtype
+        sq = sum(jnp.sum(jnp.square(_unscale(g, denom))) for g in grads)
     if stage >= 1:
         sq = lax.psum(sq, layout.axis)
     norm = jnp.sqrt(sq)

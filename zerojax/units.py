@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import get_opaque_trace_state
 
 from zerojax.collectives import (
     PLAIN,
@@ -18,6 +19,8 @@ from zerojax.collectives import (
     view,
 )
 from zerojax.errors import ModelError
+
+HOST = jax.memory.Space.Host
 
 # ---------------------------------------------------------------------------------------------
 # What every Units offers besides gather/scan: PRNG keys, the model state, the training flag.
@@ -244,11 +247,52 @@ def _remat(fn, remat: bool, stage: int):
     return fn
 
 
+class UnitReused(Exception):
+    """A unit whose gradient may be complete only after several uses that `arrive` cannot sum
+    on the device first (a stack scanned twice; a unit used inside a loop, `units.scan` body
+    or other transformation of the loss): it cannot leave the device per unit, and the step
+    falls back to sending it after the backward."""
+
+
+@jax.custom_vjp
+def arrive(base, standin, sq, denom):
+    """A unit's device value `base` (stage 2: zeros, stage 3: its shard), tied to `standin`, a
+    zero of the same shape in host memory, and `sq`, a zero f32 scalar per unit.
+
+    Backward, the unit's reduced gradient shard `g` (its cotangent, right after the unit's
+    reduce-scatter) becomes `standin`'s cotangent moved to host memory, in its own dtype; and
+    `sq`'s cotangent is its unscaled sum of squares, `sum((g / denom)²)`, computed on the
+    device before the shard leaves, so the global norm needs no host computation.
+    """
+    del standin, sq, denom
+    return base
+
+
+def _arrive_fwd(base, standin, sq, denom):
+    del standin, sq
+    return base, denom
+
+
+def _arrive_bwd(denom, g):
+    sq = jnp.sum(jnp.square(g.astype(jnp.float32) / denom))
+    return None, jax.device_put(g, HOST), sq, None
+
+
+arrive.defvjp(_arrive_fwd, _arrive_bwd)
+
+
 class ShardUnits(Context):
-    """`gather`/`scan` for one stage inside the shard_map step."""
+    """`gather`/`scan` for one stage inside the shard_map step.
+
+    `host`: (per-leaf host stand-ins, per-leaf unit sum-of-squares stand-ins, the gradient's
+    divisor), or None. When given (stages 2-3 with offload), every unit passes through
+    `arrive`, so its reduced gradient shard goes to host memory inside the backward, as the
+    unit's reduce-scatter produces it.
+    """
 
     def __init__(self, stage, layout, args, full, dtype, remat, prefetch=False, *, key=None,
-                 state=None, training=True, example_key=None, rows=None, wire=PLAIN):
+                 state=None, training=True, example_key=None, rows=None, wire=PLAIN,
+                 host=None):
         self._context(key, state, training, example_key, rows)
         self.stage = stage
         self.layout = layout  # partition.Layout over the data axis
@@ -258,6 +302,27 @@ class ShardUnits(Context):
         self.remat = remat
         self.prefetch = prefetch
         self.wire = wire  # how the unit collectives travel (ZeRO++ options; collectives.py)
+        self.host = host
+        self._arrived: dict[int, Any] = {}  # gathered leaves, each tied to its stand-in once
+        self._scanned: set[int] = set()
+        self._trace = get_opaque_trace_state() if host is not None else None
+
+    def _loss_level(self):
+        """UnitReused unless called at the loss's own level, not inside a loop (a units.scan
+        body included) or another transformation, where a use may repeat."""
+        if get_opaque_trace_state() != self._trace:
+            raise UnitReused
+
+    def _arrive(self, i):
+        """Leaf `i`'s differentiated value for `gather`: its unit passes through `arrive` once
+        however often it is gathered, so its uses' gradients are summed on the device first."""
+        if self.host is None:
+            return self.args[i]
+        self._loss_level()
+        if i not in self._arrived:
+            standins, sqs, denom = self.host
+            self._arrived[i] = arrive(self.args[i], standins[i], sqs[i], denom)
+        return self._arrived[i]
 
     def _units(self, idx, args, fulls, src=None):
         """Several leaves' unit values (logical unit shape, compute dtype) from their local
@@ -281,7 +346,7 @@ class ShardUnits(Context):
         hs = _handles(subtree, "gather")
         idx = [h.index for h in hs]
         fulls = None if self.full is None else [self.full[i] for i in idx]
-        args = [self.args[i] for i in idx]
+        args = [self._arrive(i) for i in idx]
         return _rebuild(subtree, self._units(idx, args, fulls, self._source(idx, args)))
 
     def scan(self, body, carry, stacked):
@@ -293,14 +358,24 @@ class ShardUnits(Context):
         fulls = None if self.full is None else [self.full[i] for i in idx]
         src = self._source(idx, xs)  # hpZ: gathered over "replica" once, before the loop
         fn = self._layer_fn(body)
+        hosts = None
+        if self.host is not None:
+            self._loss_level()
+            if self._scanned & set(idx):
+                raise UnitReused
+            self._scanned |= set(idx)
+            standins, sqs, denom = self.host
+            hosts = ([standins[i] for i in idx], [sqs[i] for i in idx])
 
         def step(c, layer):
-            args_l, fulls_l, src_l, i = layer
+            args_l, fulls_l, src_l, hosts_l, i = layer
+            if hosts_l is not None:  # each layer's gradient shard leaves in its own iteration
+                args_l = [arrive(a, s, q, denom) for a, s, q in zip(args_l, *hosts_l)]
             ws = _rebuild(stacked, barrier(self._units(idx, args_l, fulls_l, src_l)))
             return fn(c, ws, i), None
 
         step = _remat(step, self.remat, self.stage)
-        return lax.scan(step, carry, (xs, fulls, src, jnp.arange(xs[0].shape[0])))[0]
+        return lax.scan(step, carry, (xs, fulls, src, hosts, jnp.arange(xs[0].shape[0])))[0]
 
 
 # ---------------------------------------------------------------------------------------------
