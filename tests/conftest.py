@@ -38,12 +38,12 @@ LONGEST_FIRST = ("test_adapters.py", "test_zeropp.py", "test_published.py", "tes
                  "test_optimizers_sharded.py", "test_optimizer_costs.py", "test_measure.py",
                  "test_model_axis.py", "test_checkpoint.py", "test_state.py", "test_models.py",
                  "test_scripts.py", "test_parity.py", "test_optimizers.py")
-SLOW_LONGEST_FIRST = ("test_train.py", "test_model_axis.py", "test_bench.py", "test_delayed.py",
-                      "test_parity.py",
+SLOW_LONGEST_FIRST = ("test_train.py", "test_model_axis.py", "test_tp_styles.py", "test_kills.py",
+                      "test_bench.py", "test_delayed.py", "test_parity.py",
                       "test_optimizers_sharded.py", "test_checkpoint.py", "test_optimizers.py",
                       "test_published.py", "test_engine.py", "test_adapters.py",
                       "test_offload.py", "test_planning.py", "test_scripts.py",
-                      "test_compiled.py", "test_measure.py", "test_kills.py")
+                      "test_compiled.py", "test_measure.py")
 
 
 def pytest_collection_modifyitems(config, items):
