@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch
 from jax.extend.core import Literal
-from test_model_axis import gpt as axis_gpt
+from test_model_axis import gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
@@ -82,18 +82,19 @@ def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=Non
     return eng, state, err
 
 
-GPTS = {"test": tiny_gpt, "axis": axis_gpt}  # the test preset; 4 heads for the model axis
+# The GPT of every run (test_model_axis.gpt): the test preset's shape with 4 heads (whole
+# heads on each of 2 model devices), so one reference program serves every mesh.
 
 
 @functools.cache
-def gpt_reference(name: str, k: int):
-    """`delayed_reference` of GPTS[name] with AdamW, clipping and `gpt_batches()`, once."""
+def gpt_reference(k: int):
+    """`delayed_reference` of `gpt()` with AdamW, clipping and `gpt_batches()`, once per K."""
     tx = optax.chain(optax.clip_by_global_norm(CLIP), adamw())
-    return delayed_reference(GPTS[name](), tx, gpt_batches(), k)
+    return delayed_reference(gpt(), tx, gpt_batches(), k)
 
 
 def gpt_batches(steps=STEPS, batch=8):
-    return [gpt_batch(tiny_gpt().cfg, batch, s) for s in range(steps)]
+    return [gpt_batch(gpt().cfg, batch, s) for s in range(steps)]
 
 
 def test_delayed_update_with_model_state_matches_the_delayed_loop():
@@ -103,16 +104,10 @@ def test_delayed_update_with_model_state_matches_the_delayed_loop():
                   k=2, clip=1.0, ref_model=Norm(), stage=3)
 
 
-@functools.cache
-def _loss_fn(name: str):
-    model = GPTS[name]()
-    return jax.jit(lambda p, b: model.loss(p, b, PlainUnits()))
-
-
-def check_evaluate(eng, state, name: str):
+def check_evaluate(eng, state):
     """evaluate reads the params with the pending update applied."""
-    batch = gpt_batch(GPTS[name]().cfg, 8, 99)
-    want = _loss_fn(name)(eng.params(state), batch)
+    batch, model = gpt_batch(gpt().cfg, 8, 99), gpt()
+    want = jax.jit(lambda p, b: model.loss(p, b, PlainUnits()))(eng.params(state), batch)
     np.testing.assert_allclose(float(eng.evaluate(state, batch)["loss"]), float(want),
                                rtol=1e-5)
 
@@ -121,23 +116,23 @@ def check_evaluate(eng, state, name: str):
 # delayed loop, then shared by the tests below. With the quick test (stage 3 on 4 devices,
 # model state) they cover stages 1-3, replica x data, grad_accum, hpZ, the model axis, clipping
 # (every run), evaluate, K = 0, 1, 2 and plain offload, and a resume on another N and stage.
-#   "stage1"  the test GPT, stage 1 on replica 2 x data 2, K = 2 (one ordinary step first)
+#   "stage1"  stage 1 on replica 2 x data 2, K = 2 (one ordinary step first)
 #   "plain"   the same without the delay (plain offload)
 #   "stage3"  stage 3 on replica 2 x data 2 with hpZ, K = 1; saves before step 2
 #   "k0"      the same with K = 0
 #   "stage2"  stage 2 on data 2 with grad_accum 2, K = 1; resumes "stage3"'s save
-#   "axis"    4 heads on data 2 x model 2 at stage 3, K = 1
-RUNS = {"stage1": ("test", 2, dict(replica=2, data=2), dict(stage=1)),
-        "plain": ("test", None, dict(replica=2, data=2), dict(stage=1)),
-        "stage3": ("test", 1, dict(replica=2, data=2), dict(stage=3, hpz=True)),
-        "k0": ("test", 0, dict(replica=2, data=2), dict(stage=3, hpz=True)),
-        "stage2": ("test", 1, dict(data=2), dict(stage=2, grad_accum=2)),
-        "axis": ("axis", 1, dict(data=2, model=2), dict(stage=3))}
+#   "axis"    stage 3 on data 2 x model 2, K = 1
+RUNS = {"stage1": (2, dict(replica=2, data=2), dict(stage=1)),
+        "plain": (None, dict(replica=2, data=2), dict(stage=1)),
+        "stage3": (1, dict(replica=2, data=2), dict(stage=3, hpz=True)),
+        "k0": (0, dict(replica=2, data=2), dict(stage=3, hpz=True)),
+        "stage2": (1, dict(data=2), dict(stage=2, grad_accum=2)),
+        "axis": (1, dict(data=2, model=2), dict(stage=3))}
 
 
 def engine(name):
-    model, k, mesh, cfg = RUNS[name]
-    return zj.Engine(GPTS[model](), adamw(), zj.make_mesh(**mesh), zj.ZeroConfig(
+    k, mesh, cfg = RUNS[name]
+    return zj.Engine(gpt(), adamw(), zj.make_mesh(**mesh), zj.ZeroConfig(
         offload="optimizer", delayed_update=k, clip_norm=CLIP, **cfg))
 
 
@@ -170,15 +165,14 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "axis"])
 def test_delayed_update_matches_the_delayed_single_device_loop(runs, name):
-    model, k, _, _ = RUNS[name]
     r = runs(name)
-    ref_losses, ref_norms, ref_params, _ = gpt_reference(model, k)
+    ref_losses, ref_norms, ref_params, _ = gpt_reference(RUNS[name][0])
     np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(r["norms"], ref_norms, rtol=1e-4)
     err = moved_error(r["params"][-1], ref_params, r["params"][0])
     assert err <= 1e-5, f"params off by {err:.3g} of the reference's move"
     if name == "stage1":
-        check_evaluate(r["engine"], r["state"], model)
+        check_evaluate(r["engine"], r["state"])
 
 
 @pytest.mark.slow
