@@ -63,13 +63,12 @@ def moved_error(params, ref, start) -> float:
     return float(np.sqrt(sq(diff) / sq(moved)))
 
 
-def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=None, ref=None,
-                  **cfg):
-    """The engine's run against `delayed_reference` (of `ref_model`, default `model`; or `ref`,
-    its result): (engine, final state, params' error relative to the reference's move)."""
+def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=None, **cfg):
+    """The engine's run against `delayed_reference` (of `ref_model`, default `model`):
+    (engine, final state, params' error relative to the reference's move)."""
     tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer
-    ref_losses, ref_norms, ref_params, ref_ms = ref or delayed_reference(ref_model or model, tx,
-                                                                         batches, k)
+    ref_losses, ref_norms, ref_params, ref_ms = delayed_reference(ref_model or model, tx,
+                                                                  batches, k)
     eng = zj.Engine(model, optimizer, mesh, zj.ZeroConfig(
         offload="optimizer", delayed_update=k, clip_norm=clip, **cfg))
     losses, params, state = engine_run(eng, batches)
@@ -82,10 +81,8 @@ def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=Non
     return eng, state, err
 
 
-# The GPT of every run (test_model_axis.gpt): the test preset's shape with 4 heads (whole
-# heads on each of 2 model devices), so one reference program serves every mesh.
-
-
+# Every GPT run uses test_model_axis.gpt: the test preset's shape with 4 heads (whole heads
+# on each of 2 model devices), so one reference program serves every mesh.
 @functools.cache
 def gpt_reference(k: int):
     """`delayed_reference` of `gpt()` with AdamW, clipping and `gpt_batches()`, once per K."""
