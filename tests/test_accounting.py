@@ -316,6 +316,49 @@ def test_offload_table_and_memory_rows():
     ]
 
 
+def test_delayed_update_adds_the_pending_gradient_shard():
+    """ZeRO figure 1's Ψ on 64 devices in bf16 with the delayed update: the host also holds the
+    pending float32 gradient shard, 4Ψ/N = 0.47 GB (host 12Ψ/N -> 16Ψ/N, host peak 16Ψ/N ->
+    20Ψ/N), and the device the next step's compute shard, 2Ψ/N, while a step runs."""
+    psi, n = 7_500_000_000, 64
+    for s in (1, 2, 3):
+        plain = estimate(psi, n, s, offload="optimizer")
+        for k in (0, 40):
+            m = estimate(psi, n, s, offload="optimizer", delayed_update=k)
+            assert (m.pending, m.ahead) == (4 * psi / n, 2 * psi / n) == (0.46875 * GB,
+                                                                          0.234375 * GB)
+            assert (m.host, m.host_peak) == (16 * psi / n, 20 * psi / n) == (1.875 * GB,
+                                                                             2.34375 * GB)
+            assert m.host - plain.host == m.host_peak - plain.host_peak == m.pending
+            assert (m.total - plain.total, m.state) == (m.ahead, plain.state)
+            assert (m.params, m.grads, m.optimizer, m.transfer) == (
+                plain.params, plain.grads, plain.optimizer, plain.transfer)
+            assert state_estimate(psi, n, s, offload="optimizer", delayed_update=k) == m
+    # float32 params: the compute shard that comes up is 4 bytes.
+    f32 = state_estimate(1000, 8, 3, "float32", offload="optimizer", delayed_update=1)
+    assert (f32.pending, f32.ahead, f32.host) == (500, 500, 2000)
+    # Without the delay nothing changes, and as_dict names the fields only with it.
+    assert "pending" not in estimate(psi, n, 3, offload="optimizer").as_dict()
+    assert estimate(psi, n, 3, offload="optimizer", delayed_update=2).as_dict()["pending"] == \
+        0.46875 * GB
+    rows = estimate_table(psi, n, offload="optimizer", delayed_update=2)
+    assert (rows[3]["host"], rows[3]["host peak"], rows[3]["of which pending"]) == (
+        "1.88 GB", "2.34 GB", "469 MB")
+    assert "of which pending" not in estimate_table(psi, n, offload="optimizer")[3]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"delayed_update": 2}, r"delayed_update=2 needs offload='optimizer' \(got offload=None"),
+    ({"offload": "optimizer", "delayed_update": -1}, "must be an integer K >= 0"),
+    ({"offload": "optimizer", "delayed_update": True}, "must be an integer K >= 0"),
+])
+def test_delayed_update_bad_arguments(kw, message):
+    with pytest.raises(EstimateError, match=message):
+        estimate(1000, 8, 3, **kw)
+    with pytest.raises(EstimateError, match=message):
+        estimate_table(1000, 8, **kw)
+
+
 # --- the optimizer's own state instead of Adam's ------------------------------------------------
 
 def test_state_estimate_takes_the_optimizers_state_bytes():

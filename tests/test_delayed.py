@@ -2,14 +2,16 @@
 a single-device optax loop with the same one-step delay (zerojax/delayed.py states the
 recurrence)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch
 from jax.extend.core import Literal
-from test_model_axis import gpt as axis_gpt
+from test_model_axis import gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
@@ -17,6 +19,10 @@ import zerojax as zj
 from zerojax.mesh import put_batch
 from zerojax.models import SeedMLP
 from zerojax.units import PlainUnits
+
+# K = 2 and 4 steps: one ordinary step, then three delayed ones, two of which apply the update
+# the step before left pending (and engine.params applies the last).
+STEPS = 4
 
 
 def delayed_reference(model, tx, batches, k, rng=0, **units):
@@ -75,61 +81,108 @@ def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=Non
     return eng, state, err
 
 
-def gpt_batches(steps=5, batch=8):
-    return [gpt_batch(tiny_gpt().cfg, batch, s) for s in range(steps)]
+# Every GPT run uses test_model_axis.gpt: the test preset's shape with 4 heads (whole heads
+# on each of 2 model devices), so one reference program serves every mesh.
+@functools.cache
+def gpt_reference(k: int):
+    """`delayed_reference` of `gpt()` with AdamW, clipping and `gpt_batches()`, once per K."""
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), adamw())
+    return delayed_reference(gpt(), tx, gpt_batches(), k)
+
+
+def gpt_batches(steps=STEPS, batch=8):
+    return [gpt_batch(gpt().cfg, batch, s) for s in range(steps)]
 
 
 def test_delayed_update_with_model_state_matches_the_delayed_loop():
     """The quick tier's point: stage 3 on 4 devices, K = 2, clipping, BatchNorm statistics."""
     mesh = zj.make_mesh(data=4)
-    check_delayed(Norm(zj.batch_axes(mesh)), optax.adam(1e-2, eps=1e-6), BATCHES[:5], mesh,
+    check_delayed(Norm(zj.batch_axes(mesh)), optax.adam(1e-2, eps=1e-6), BATCHES[:STEPS], mesh,
                   k=2, clip=1.0, ref_model=Norm(), stage=3)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage, mesh, cfg", [
-    (1, dict(data=4), {}), (3, dict(data=4), {}),
-    (3, dict(replica=2, data=2), {}), (1, dict(replica=2, data=2), {}),
-    (2, dict(data=2), dict(grad_accum=2)),
-    (3, dict(replica=2, data=2), dict(hpz=True)),
-])
-def test_delayed_update_matches_the_delayed_single_device_loop(stage, mesh, cfg):
-    eng, state, _ = check_delayed(tiny_gpt(), adamw(), gpt_batches(6), zj.make_mesh(**mesh),
-                                  k=2, stage=stage, **cfg)
-    # evaluate reads the params with the pending update applied
-    batch = gpt_batch(tiny_gpt().cfg, 8, 99)
-    want = tiny_gpt().loss(eng.params(state), batch, PlainUnits())
+def check_evaluate(eng, state):
+    """evaluate reads the params with the pending update applied."""
+    batch, model = gpt_batch(gpt().cfg, 8, 99), gpt()
+    want = jax.jit(lambda p, b: model.loss(p, b, PlainUnits()))(eng.params(state), batch)
     np.testing.assert_allclose(float(eng.evaluate(state, batch)["loss"]), float(want),
                                rtol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [3, 1])
-def test_delayed_update_on_the_model_axis(stage):
-    check_delayed(axis_gpt(), adamw(), gpt_batches(5, 8), zj.make_mesh(data=2, model=2),
-                  k=1, stage=stage)
+# The slow tier: five engines, each run once (STEPS steps from init) and checked against the
+# delayed loop, then shared by the tests below. With the quick test (stage 3 on 4 devices,
+# model state) they cover stages 1-3, replica x data, grad_accum, hpZ, the model axis, clipping
+# (every run), evaluate, K = 0, 1, 2 and plain offload, and a resume on another N and stage.
+#   "stage1"  stage 1 on replica 2 x data 2, K = 2 (one ordinary step first)
+#   "plain"   the same without the delay (plain offload)
+#   "stage3"  stage 3 on replica 2 x data 2 with hpZ, K = 1; saves before step 2
+#   "k0"      the same with K = 0
+#   "stage2"  stage 2 on data 2 with grad_accum 2, K = 1; resumes "stage3"'s save
+#   "axis"    stage 3 on data 2 x model 2, K = 1
+RUNS = {"stage1": (2, dict(replica=2, data=2), dict(stage=1)),
+        "plain": (None, dict(replica=2, data=2), dict(stage=1)),
+        "stage3": (1, dict(replica=2, data=2), dict(stage=3, hpz=True)),
+        "k0": (0, dict(replica=2, data=2), dict(stage=3, hpz=True)),
+        "stage2": (1, dict(data=2), dict(stage=2, grad_accum=2)),
+        "axis": (1, dict(data=2, model=2), dict(stage=3))}
+
+
+def engine(name):
+    k, mesh, cfg = RUNS[name]
+    return zj.Engine(gpt(), adamw(), zj.make_mesh(**mesh), zj.ZeroConfig(
+        offload="optimizer", delayed_update=k, clip_norm=CLIP, **cfg))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> the run of RUNS[name]: engine, losses, grad norms, params before each step (and
+    after the last), final state; "ckpt": "stage3"'s save before step 2."""
+    ckpt, out = tmp_path_factory.mktemp("delayed") / "ckpt", {}
+
+    def run(name):
+        if name not in out:
+            eng, batches = engine(name), gpt_batches()
+            state, r = eng.init(jax.random.key(0), batches[0]), dict(losses=[], norms=[],
+                                                                     params=[])
+            for t, b in enumerate(batches):
+                r["params"].append(eng.params(state))
+                if name == "stage3" and t == 2:
+                    eng.save(state, ckpt)  # step 1's update pending
+                state, m = eng.step(state, b)
+                r["losses"].append(float(m["loss"]))
+                r["norms"].append(float(m["grad_norm"]))
+            r["params"].append(eng.params(state))
+            out[name] = dict(r, engine=eng, state=state)
+        return out[name]
+
+    run.ckpt = ckpt
+    return run
 
 
 @pytest.mark.slow
-def test_the_first_k_steps_are_plain_offloads_and_k0_runs_as_k1():
-    model, batches = tiny_gpt(), gpt_batches(4)
-    losses, params = {}, {}  # params after 3 steps
-    for k in (None, 0, 1, 3):
-        eng = zj.Engine(model, adamw(), zj.make_mesh(data=4), zj.ZeroConfig(
-            stage=3, offload="optimizer", delayed_update=k, clip_norm=CLIP))
-        state, losses[k] = eng.init(jax.random.key(0), batches[0]), []
-        for t, b in enumerate(batches):
-            if t == 3:
-                params[k] = eng.params(state)
-            state, m = eng.step(state, b)
-            losses[k].append(float(m["loss"]))
-    # K = 3: the first 3 steps are plain offload's (the update of the third is applied by
+@pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "axis"])
+def test_delayed_update_matches_the_delayed_single_device_loop(runs, name):
+    r = runs(name)
+    ref_losses, ref_norms, ref_params, _ = gpt_reference(RUNS[name][0])
+    np.testing.assert_allclose(r["losses"], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(r["norms"], ref_norms, rtol=1e-4)
+    err = moved_error(r["params"][-1], ref_params, r["params"][0])
+    assert err <= 1e-5, f"params off by {err:.3g} of the reference's move"
+    if name == "stage1":
+        check_evaluate(r["engine"], r["state"])
+
+
+@pytest.mark.slow
+def test_the_first_k_steps_are_plain_offloads_and_k0_runs_as_k1(runs):
+    plain, k2 = runs("plain"), runs("stage1")
+    # K = 2: the first 2 steps are plain offload's (the update of the second is applied by
     # engine.params, not by the step: the same arithmetic in another program)
-    np.testing.assert_array_equal(losses[3][:3], losses[None][:3])
-    assert_tree_close(params[3], params[None], rtol=1e-6, atol=1e-7)
-    assert abs(losses[3][3] - losses[None][3]) > 1e-4  # the fourth ran on stale params
-    np.testing.assert_array_equal(losses[0], losses[1])  # step 0 has no update to wait for
-    assert_bitwise(params[0], params[1])
+    np.testing.assert_array_equal(k2["losses"][:2], plain["losses"][:2])
+    assert_tree_close(k2["params"][2], plain["params"][2], rtol=1e-6, atol=1e-7)
+    assert abs(k2["losses"][2] - plain["losses"][2]) > 1e-4  # the third ran on stale params
+    k0, k1 = runs("k0"), runs("stage3")
+    np.testing.assert_array_equal(k0["losses"], k1["losses"])  # step 0 has no update to wait
+    assert_bitwise(k0["params"][-1], k1["params"][-1])  # for
 
 
 @pytest.mark.slow
@@ -169,39 +222,22 @@ def test_a_skipped_step_leaves_nothing_pending():
 
 
 @pytest.mark.slow
-def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(tmp_path):
-    model, batches = tiny_gpt(), gpt_batches(5)
-
-    def engine(n, stage, k=1, replica=1):
-        return zj.Engine(model, adamw(), zj.make_mesh(data=n, replica=replica),
-                         zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer",
-                                       delayed_update=k))
-
-    eng = engine(4, 3)
-    state = eng.init(jax.random.key(0), batches[0])
-    losses = []
-    for t, b in enumerate(batches):
-        if t == 3:
-            eng.save(state, tmp_path / "ckpt")  # step 3: step 2's update is pending
-            saved = eng.params(state)
-        state, m = eng.step(state, b)
-        losses.append(float(m["loss"]))
-
-    other = engine(1, 1, replica=2)  # 4 devices at stage 3 -> 2 replicas at stage 1
-    restored = other.restore(tmp_path / "ckpt")
-    assert int(restored.step) == 3
-    assert_bitwise(other.params(restored), saved)  # the checkpoint's params: all applied
+def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(runs):
+    saved = runs("stage3")  # stage 3 (hpZ) on 4 devices, saved before step 2
+    other = runs("stage2")["engine"]  # -> stage 2 on 2 devices
+    restored = other.restore(runs.ckpt)
+    assert int(restored.step) == 2
+    assert_bitwise(other.params(restored), saved["params"][2])  # the checkpoint's: all applied
     resumed = []
-    for b in batches[3:]:
+    for b in gpt_batches()[2:]:
         restored, m = other.step(restored, b)
         resumed.append(float(m["loss"]))
-    np.testing.assert_allclose(resumed, losses[3:], rtol=1e-5)
-    start = jax.jit(model.init)(jax.random.key(0))
-    assert moved_error(other.params(restored), eng.params(state), start) <= 1e-5
+    np.testing.assert_allclose(resumed, saved["losses"][2:], rtol=1e-5)
+    assert moved_error(other.params(restored), saved["params"][-1], saved["params"][0]) <= 1e-5
 
     # Without the delay, a restore continues from the params with every update applied.
-    plain = engine(2, 2, k=None)
-    assert_bitwise(plain.params(plain.restore(tmp_path / "ckpt")), saved)
+    plain = runs("plain")["engine"]  # stage 1 on replica 2 x data 2
+    assert_bitwise(plain.params(plain.restore(runs.ckpt)), saved["params"][2])
 
 
 def _tainted(jaxpr, marked: list[bool]) -> list[bool]:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -459,6 +460,90 @@ def test_estimate_command_with_offload(capsys):
     assert estimate_main(argv) == 0
     out = capsys.readouterr().out
     assert "3 + offload" in out and "1.41 GB" in out and "host<->device" in out
+
+
+def test_delayed_update_host_bytes_are_the_engines_state():
+    """The pending update's host bytes against an engine's state (the test preset on 8 devices,
+    where no leaf is padded): its float32 gradient shard, laid out as the master, is 4Ψ/N, and
+    the rest of the host's bytes are plain offload's. Stage 3 reads the arrays an init placed,
+    stages 1 and 2 the abstract state's shardings."""
+    from test_measure import engine_offloads, tiny
+
+    from zerojax.analysis.accounting import state_estimate
+    from zerojax.analysis.measurement import state_bytes
+    from zerojax.app.report import state_bytes_per_device
+
+    if not engine_offloads():
+        return
+    dev, psi = jax.devices()[0], GPT.from_preset("test").num_params()
+
+    def host_bytes(tree) -> int:  # this device's shards of the arrays in host memory
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree) if x.sharding.memory_kind == "pinned_host")
+
+    for stage in (1, 2, 3):
+        host = {}
+        for k in (None, 0):
+            eng, batch = tiny(stage, "bfloat16", offload="optimizer", delayed_update=k)
+            state_bytes(eng, batch)  # learns the units
+            state = eng.abstract_state()
+            host[k] = host_bytes(state)
+            est = state_estimate(psi, 8, stage, "bfloat16", offload="optimizer",
+                                 delayed_update=k)
+            assert host[k] == pytest.approx(est.host, abs=8)  # + the optimizer's step count
+            if k is not None:
+                assert host_bytes(state.pending.grads) == est.pending == 4 * psi / 8
+            if stage == 3 and k is not None:
+                real = eng.init(jax.random.key(0), batch)
+                assert state_bytes_per_device(real, dev, host=True) == host[k]
+                assert state_bytes_per_device(real.pending.grads, dev) == est.pending
+        assert host[0] - host[None] == 4 * psi / 8
+
+
+def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
+    argv = ["--params", "7.5e9", "--devices", "64", "--offload", "optimizer"]
+    assert estimate_main([*argv, "--delayed-update", "2", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["memory"]["host"] for s in stages] == [0, 1.875e9, 1.875e9, 1.875e9]  # 16Ψ/N
+    assert [s["memory"].get("pending", 0) for s in stages] == [0] + [0.46875e9] * 3
+    assert [s["memory"]["host_peak"] for s in stages[1:]] == [2.34375e9] * 3  # 20Ψ/N
+    assert stages[3]["memory"]["total"] == 0.46875e9 + 0.234375e9  # 4Ψ/N + the next 2Ψ/N
+    assert estimate_main([*argv, "--delayed-update", "0"]) == 0
+    assert "of which pending" in capsys.readouterr().out
+    for bad, message in ((argv[:4] + ["--delayed-update", "1"], "needs --offload optimizer"),
+                         ([*argv, "--delayed-update", "-1"], "must be a non-negative integer")):
+        with pytest.raises(SystemExit) as exc:
+            estimate_main(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+
+    # One 80 GB device on a 125 GB host, the pinned-host pool at 110 GiB: without the delay
+    # offload reaches 7b (host peak 16Ψ = 107 GB); with it, 20Ψ: 7b's 134 GB fits neither,
+    # gpt-4b's 85.6 GB fits both, and its device peak gains its 2Ψ compute copy.
+    plan = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
+            "--host-memory", "125GB", "--pinned-limit", "110GiB", "--json"]
+    out = {}
+    for k in (None, "2"):
+        assert plan_main(plan + (["--delayed-update", k] if k else [])) == 0
+        out[k] = json.loads(capsys.readouterr().out)
+    (plain,), (delayed,) = out[None]["largest"], out["2"]["largest"]
+    assert (plain["offload"]["fits"]["name"], delayed["offload"]["fits"]["name"]) == ("7b",
+                                                                                     "gpt-4b")
+    f, nx = delayed["offload"]["fits"], delayed["offload"]["next"]
+    psi = f["num_params"]
+    assert (f["host"], f["host_peak"], f["pending"]) == (16 * psi, 20 * psi, 4 * psi)
+    assert nx["name"] == "7b" and nx["host_peak"] == 20 * nx["num_params"]
+    assert delayed["offload"]["binds"] == ["host", "pinned-host limit"]
+    assert "--delayed-update 2: + the pending float32" in out["2"]["assumptions"]["offload"]
+    assert delayed["fits"] == plain["fits"]  # the columns without offload do not change
+    for bad, message in (([*plan[:4], "--model", "1b", "--delayed-update", "1"],
+                          "add --largest"),
+                         ([*plan, "--offload", "off", "--delayed-update", "1"],
+                          "which --offload off drops")):
+        with pytest.raises(SystemExit) as exc:
+            plan_main(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and message in err
 
 
 def test_measure_command_splits_device_and_host(capsys, keep_xla_flags):

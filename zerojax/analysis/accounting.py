@@ -45,27 +45,33 @@ class MemoryEstimate:
     grads: float  # gradients, Ψ·gb (stages 2, 3: /N)
     optimizer: float  # master params and optimizer state, Ψ·K (stages 1-3: /N; offload: 0)
     total: float  # device bytes: params + grads + optimizer
-    host: float = 0.0  # offload: master and optimizer state in host memory, Ψ·K/N
+    host: float = 0.0  # offload: master and optimizer state in host memory, Ψ·K/N (+ pending)
     transfer: float = 0.0  # offload: gradient shard down + compute shard up, Ψ·(gb + pb)/N
     secondary: float = 0.0  # hpZ: the secondary copy while a step runs, Ψ·pb/D (in total)
+    # delayed_update: the pending float32 gradient shard, Ψ·4/N (in host); and the next
+    # step's compute shard, which comes up while the step runs on the one before, Ψ·pb/N (in
+    # total, while a step runs)
+    pending: float = 0.0
+    ahead: float = 0.0
 
     @property
     def host_peak(self) -> float:
         """Offload: the host's peak while the update runs in place: the state, the gradient
-        shard that came down and the compute shard that goes up, Ψ·(K + gb + pb)/N."""
+        shard that came down and the compute shard that goes up, Ψ·(K + gb + pb)/N (with the
+        delayed update: + the pending float32 gradient shard, Ψ·4/N)."""
         return self.host + self.transfer if self.host else 0.0
 
     @property
     def state(self) -> float:
-        """What the engine keeps between steps: the total less gradients and hpZ's secondary
-        copy, which live only while a step runs."""
-        return self.total - self.grads - self.secondary
+        """What the engine keeps between steps: the total less gradients, hpZ's secondary
+        copy and the delayed update's next compute shard, which live only while a step runs."""
+        return self.total - self.grads - self.secondary - self.ahead
 
     def as_dict(self) -> dict[str, float]:
-        """The fields, and offload's `host_peak`; hpZ's `secondary` and `host_peak` only where
-        they are not 0."""
+        """The fields, and offload's `host_peak`; hpZ's `secondary`, `host_peak` and the
+        delayed update's `pending` and `ahead` only where they are not 0."""
         return _without_zero(dataclasses.asdict(self) | {"host_peak": self.host_peak},
-                             ("secondary", "host_peak"))
+                             ("secondary", "host_peak", "pending", "ahead"))
 
     def row(self) -> dict[str, str]:
         """The columns `zerojax estimate` prints for a stage's memory (offload's host bytes
@@ -75,6 +81,8 @@ class MemoryEstimate:
         if self.host or self.transfer:
             row |= {"host": format_bytes(self.host), "host peak": format_bytes(self.host_peak),
                     "host<->device": format_bytes(self.transfer)}
+        if self.pending:
+            row["of which pending"] = format_bytes(self.pending)
         if self.secondary:
             row["hpZ secondary"] = format_bytes(self.secondary)
         return row
@@ -176,6 +184,7 @@ def estimate(
     secondary_bytes: float | None = None,
     model: int = 1,
     split_params: float | None = None,
+    delayed_update: int | None = None,
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
 
@@ -195,6 +204,11 @@ def estimate(
     `offload="optimizer"` (stages 1-3) moves the optimizer bytes to `host` memory: the device
     keeps the compute params and gradients (stage 1: `2Ψ + 2Ψ`, the full gradient exists
     before its reduce-scatter; stage 2: `2Ψ + 2Ψ/N`; stage 3: `4Ψ/N`), the host `12Ψ/N`.
+
+    `delayed_update=K` (with offload; any K >= 0: the memory is the delayed phase's) adds the
+    pending update: its float32 gradient shard stays in host memory between steps (`pending`,
+    `4Ψ/N`, in `host`), and while a step runs on the compute params before the update the
+    next step's compute shard comes up beside them (`ahead`, `Ψ·pb/N`, in `total`).
     """
     n = _check(
         num_params,
@@ -209,6 +223,7 @@ def estimate(
         optimizer_bytes=optimizer_bytes,
     )
     _check_hpz(hpz, stage, replica)
+    _check_delayed(delayed_update, offload)
     psi = _piece(int(num_params), model, split_params)
     secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
         if hpz else 0.0
@@ -221,8 +236,22 @@ def estimate(
                               secondary=secondary)
     # Each step the reduced gradient shard goes down and the updated compute shard comes up.
     transfer = psi * (grad_bytes + param_bytes) / n
-    return MemoryEstimate(params, grads, 0.0, params + grads + secondary, optimizer, transfer,
-                          secondary)
+    pending = psi * MASTER_BYTES / n if delayed_update is not None else 0.0
+    ahead = psi * param_bytes / n if delayed_update is not None else 0.0
+    return MemoryEstimate(params, grads, 0.0, params + grads + secondary + ahead,
+                          optimizer + pending, transfer, secondary, pending, ahead)
+
+
+def _check_delayed(delayed_update: Any, offload: Any) -> None:
+    if delayed_update is None:
+        return
+    if isinstance(delayed_update, bool) or not isinstance(delayed_update, int) \
+            or delayed_update < 0:
+        raise EstimateError(f"delayed_update={delayed_update!r} must be an integer K >= 0 "
+                            f"(or None: no delay)")
+    if offload is None:
+        raise EstimateError(f"delayed_update={delayed_update} needs offload='optimizer' (got "
+                            f"offload=None): the delayed update is the offloaded one")
 
 
 def _check_hpz(hpz: Any, stage: int, replica: int) -> None:
@@ -267,7 +296,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                    optimizer_state_bytes: float = ADAM_BYTES, hpz: bool = False,
                    quantize_weights: str | None = None, quantize_grads: str | None = None,
                    quant_block: int = QUANT_BLOCK, model: int = 1,
-                   split_params: float | None = None) -> MemoryEstimate:
+                   split_params: float | None = None,
+                   delayed_update: int | None = None) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
     moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
@@ -281,7 +311,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     bytes and the device always keeps a compute copy. `hpz`: see `estimate`; its secondary
     copy is in `param_dtype`, or int8 plus scales under `quantize_weights`. Under
     `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
-    `model`, `split_params`: the model axis, as `estimate` takes it.
+    `model`, `split_params`: the model axis, as `estimate` takes it. `delayed_update`: the
+    pending update's host and device bytes, as `estimate` counts them.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
@@ -296,7 +327,7 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
                     offload=offload, hpz=hpz, secondary_bytes=secondary, model=model,
-                    split_params=split_params)
+                    split_params=split_params, delayed_update=delayed_update)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -428,10 +459,11 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     ZeRO++'s `quantize_weights` (stages 1-3), `quantize_grads` and `hpz` (stage 3 row).
     With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
     add the `host` bytes, the `host peak` of the in-place host update (`host_peak`) and the
-    host<->device `transfer` per step; `total` is device bytes.
+    host<->device `transfer` per step; `total` is device bytes. `delayed_update` (with
+    `offload`) counts the pending update (`estimate`) and adds its column.
     """
     mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
-                "split_params")
+                "split_params", "delayed_update")
     comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica", "model",
                  "split_params", "activations")
     zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
@@ -445,6 +477,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     hpz = kwargs.get("hpz", False)
     _check_formats(qw, qg, QUANT_BLOCK)
     offload = mem_kw.pop("offload", None)
+    delayed = mem_kw.pop("delayed_update", None)
+    _check_delayed(delayed, offload)
     base = estimate(num_params, devices, 0, **mem_kw).total
     secondary = bytes_per_element(qw, QUANT_BLOCK) if qw else mem_kw.get("param_bytes", 2)
     rows = []
@@ -453,7 +487,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
         zpp = {"quantize_weights": qw if stage else None, "quantize_grads": qg,
                "hpz": bool(hpz) and stage == 3}
         m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None,
-                     hpz=zpp["hpz"], secondary_bytes=secondary)
+                     hpz=zpp["hpz"], secondary_bytes=secondary,
+                     delayed_update=delayed if stage else None)
         c = comm_estimate(num_params, devices, stage, **comm_kw, **zpp)
         saving = 1 - m.total / base if base else 0.0
         row = {
@@ -469,6 +504,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
             row["host"] = format_bytes(m.host)
             row["host peak"] = format_bytes(m.host_peak) if stage else format_bytes(0)
             row["host<->device"] = format_bytes(m.transfer)
+        if offload and delayed is not None:
+            row["of which pending"] = format_bytes(m.pending)
         if hpz:
             row["hpZ secondary"] = format_bytes(m.secondary)
         if qw or qg:

@@ -57,6 +57,12 @@ def positive_arg(text: str) -> int:
     return int(text)
 
 
+def non_negative_arg(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative integer")
+    return int(text)
+
+
 def ints_arg(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.split(","))

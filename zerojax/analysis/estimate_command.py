@@ -19,7 +19,13 @@ from zerojax.analysis.accounting import (
     pinned_limit,
 )
 from zerojax.analysis.commands import _shape_args, model_config, quantize_args
-from zerojax.analysis.console import Parser, positive_arg, print_assumptions, print_table
+from zerojax.analysis.console import (
+    Parser,
+    non_negative_arg,
+    positive_arg,
+    print_assumptions,
+    print_table,
+)
 from zerojax.analysis.planning import named_optimizer
 from zerojax.collectives.quantize import bytes_per_element
 from zerojax.config import OFFLOADS, QUANT_BLOCK
@@ -60,12 +66,19 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
                         "the baseline); adds host, host peak and host<->device columns")
+    p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
+                   help="with --offload: the delayed parameter update (train --delayed-update "
+                        "K): + its pending float32 gradient shard (4 bytes x Ψ/N) in host "
+                        "memory and the next compute shard on the device")
     quantize_args(p)
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
                         "sharded within each replica")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     a = p.parse_args(argv)
+    if a.delayed_update is not None and a.offload is None:
+        p.error(f"--delayed-update {a.delayed_update} needs --offload optimizer: the delayed "
+                f"update is the offloaded one")
     if a.hpz and a.replica < 2:
         p.error("--hpz needs --replica R > 1: hpZ shards its secondary copy within a replica")
     m = a.model_parallel
@@ -95,12 +108,13 @@ def estimate_main(argv: list[str]) -> int:
         rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes,
                               offload=a.offload, quantize_weights=a.quantize_weights,
                               quantize_grads=a.quantize_grads, hpz=a.hpz,
-                              activations=activations)
+                              activations=activations, delayed_update=a.delayed_update)
         qw = bytes_per_element(a.quantize_weights, QUANT_BLOCK) if a.quantize_weights else None
         out = [{"stage": s, "offload": a.offload if s else None,
                 "memory": estimate(psi, a.devices, s, **mem_kw,
                                    offload=a.offload if s else None, hpz=a.hpz and s == 3,
-                                   secondary_bytes=qw).as_dict(),
+                                   secondary_bytes=qw,
+                                   delayed_update=a.delayed_update if s else None).as_dict(),
                 "comm": comm_estimate(psi, a.devices, s, **comm_kw,
                                       quantize_weights=a.quantize_weights if s else None,
                                       quantize_grads=a.quantize_grads,
@@ -125,6 +139,10 @@ def estimate_main(argv: list[str]) -> int:
                       "host peak: + the gradient shard down and the compute shard up while "
                       "the update runs in place (XLA:GPU's pinned-host pool must hold it: "
                       f"{format_bytes(pinned_limit())} here, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+        if a.delayed_update is not None:
+            title += ("; --delayed-update: host and host peak include the pending float32 "
+                      "gradient shard (of which pending), total the next step's compute shard "
+                      "beside the one the step runs on")
         print_table(title, rows)
         if a.optimizer or a.optimizer_bytes is not None:
             print(f"note: K = {k:.4g} bytes per param: {source}")

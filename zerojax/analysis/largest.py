@@ -126,10 +126,11 @@ class Fit:
     gathered: float
     peak: float
     offload: str | None = None
-    host: float = 0.0  # offload: master + optimizer state in host memory, per device
+    host: float = 0.0  # offload: master + optimizer state (+ pending) in host memory, per device
     transfer: float = 0.0  # offload: host<->device bytes per step, per device
     optimizer_state_bytes: float = ADAM_BYTES  # per param, master excluded
     host_peak: float = 0.0  # offload: host + the update's gradient and compute shards
+    pending: float = 0.0  # delayed update: its float32 gradient shard, in `host`
 
     def over(self, device_memory: float, host_memory: float | None = None,
              pinned: float | None = None) -> list[str]:
@@ -148,28 +149,31 @@ class Fit:
 
 def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int,
                  param_dtype: str = "bfloat16", remat: bool = True,
-                 offload: str | None = None, optimizer_state_bytes: float = ADAM_BYTES) -> Fit:
+                 offload: str | None = None, optimizer_state_bytes: float = ADAM_BYTES,
+                 delayed_update: int | None = None) -> Fit:
     """`Fit` of the GPT `cfg` (called `name`) on `devices` at `stage`, with an optimizer state
-    of `optimizer_state_bytes` per param (default: Adam's 8)."""
+    of `optimizer_state_bytes` per param (default: Adam's 8); `delayed_update` (with offload):
+    the pending update's bytes (`accounting.estimate`)."""
     from zerojax.models.gpt import GPT
 
     psi = GPT(cfg).num_params()
     mem = state_estimate(psi, devices, stage, param_dtype, offload=offload,
-                         optimizer_state_bytes=optimizer_state_bytes)
+                         optimizer_state_bytes=optimizer_state_bytes,
+                         delayed_update=delayed_update)
     state = mem.total
     act = activation_bytes(cfg, batch_per_device, param_dtype, remat)["total"]
     # Stage 3 gathers one unit at a time: the largest is a layer or the vocabulary table.
     unit = max(cfg.layer_params, cfg.vocab_size * cfg.d_model)
     gathered = 2 * unit * _itemsize(param_dtype) if stage == 3 and devices > 1 else 0
     return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
-               mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak)
+               mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak, mem.pending)
 
 
 def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             param_dtype: str = "bfloat16", stages=STAGES, remat=(True, False),
             family: dict[str, Any] | None = None, offload: str | None = None,
             host_memory: float | None = None, pinned: float | None = None,
-            optimizer=None) -> list[dict[str, Any]]:
+            optimizer=None, delayed_update: int | None = None) -> list[dict[str, Any]]:
     """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
     estimated peak fits `device_memory`, and the next larger one, which does not.
 
@@ -179,7 +183,8 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
     device memory; `host_memory` and `pinned` (XLA:GPU's pinned-host pool), if given, must
     also hold each device's host peak (`Fit.host_peak`: the state and the in-place update's
-    gradient and compute shards).
+    gradient and compute shards). `delayed_update` (with `offload`) adds the pending update:
+    its float32 gradient shard to the host, the next compute shard to the device peak.
     Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None, "binds": the
     memories the next larger shape does not fit (`Fit.over`)}. Arithmetic only.
     """
@@ -191,7 +196,7 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
         if offload is not None and stage == 0:
             continue
         fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload,
-                             k[n]) for n, c in family.items()]
+                             k[n], delayed_update) for n, c in family.items()]
         ok = [f for f in fits if not f.over(device_memory, host_memory, pinned)]
         best = max(ok, key=lambda f: f.num_params) if ok else None
         bigger = [f for f in fits if f not in ok
@@ -230,13 +235,17 @@ def largest_main(p, a) -> int:
     optimizer = None if a.optimizer == "adamw" else named_optimizer(a.optimizer)
     kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
               family=family, optimizer=optimizer)
+    delayed = getattr(a, "delayed_update", None)
+    if delayed is not None and a.offload == "off":
+        p.error(f"--delayed-update {delayed} sizes the offload columns, which --offload off "
+                f"drops; use --offload auto")
     try:
         pinned = None if a.pinned_limit == "none" else a.pinned_limit or pinned_limit()
         rows = largest(a.devices, a.memory, **kw)
         off = {} if a.offload == "off" else {
             (r["stage"], r["remat"]): r for r in largest(
                 a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory,
-                pinned=pinned)}
+                pinned=pinned, delayed_update=delayed)}
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     dtype = a.param_dtype
@@ -277,8 +286,11 @@ def largest_main(p, a) -> int:
             + (("not limited" if not pinned else f"at most {format_bytes(pinned)}")
                + (" (--pinned-limit)" if a.pinned_limit else
                   f" (${PINNED_LIMIT_ENV} GiB, else XLA's {PINNED_LIMIT_DEFAULT_GB} GiB)"))
-            + "; each step the gradient shard goes down and the compute shard comes up; binds: "
-            "the memories the next larger shape does not fit")
+            + "; each step the gradient shard goes down and the compute shard comes up"
+            + (f"; --delayed-update {delayed}: + the pending float32 gradient shard, 4 bytes x "
+               "Ψ/N, in host (and host peak), + the next step's compute shard, in the device "
+               "peak" if delayed is not None else "")
+            + "; binds: the memories the next larger shape does not fit")
     print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
                        f"{format_bytes(a.memory)} each", facts)
     if a.json:

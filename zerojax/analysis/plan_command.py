@@ -21,6 +21,7 @@ from zerojax.analysis.console import (
     Parser,
     Progress,
     ints_arg,
+    non_negative_arg,
     positive_arg,
     print_assumptions,
     print_table,
@@ -68,6 +69,10 @@ def plan_main(argv: list[str]) -> int:
                    help="--largest: XLA:GPU's pinned-host pool per device, which offload's "
                         "host peak must fit, e.g. 110GiB, or none (default: "
                         "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, else XLA's 64 GiB)")
+    p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
+                   help="--largest: the offload columns with the delayed parameter update "
+                        "(train --delayed-update K): + its pending float32 gradient shard in "
+                        "host memory and the next compute shard on the device")
     p.add_argument("--bandwidth", type=bandwidth_arg, default=None,
                    help="link bandwidth per device, e.g. 25GB/s, or per mesh axis "
                         "data=400GB/s,replica=25GB/s,model=900GB/s (model: default data's): "
@@ -101,6 +106,9 @@ def plan_main(argv: list[str]) -> int:
                 "drop them or use --model")
     if a.largest and (_shape_given(a) or a.params is not None):
         p.error("--largest searches GPT shapes itself; drop the shape flags and --params")
+    if a.delayed_update is not None and not a.largest:
+        p.error(f"--delayed-update {a.delayed_update} sizes --largest's offload columns; add "
+                f"--largest")
     if a.largest:
         return largest_main(p, a)
     name, shape = model_config(p, a)
