@@ -314,6 +314,14 @@ def test_offload_table_and_memory_rows():
         ("", "438 KB device + 2.63 MB host measured: this device's shards of the state"),
         ("", "+ grads 438 KB (bfloat16) only while a step runs; 875 KB host<->device per step"),
     ]
+    # With the delayed update the host also holds the pending float32 gradient (4 B a param);
+    # the master and the moments stay what they were.
+    est = estimate_for(875_264, 4, 3, types.SimpleNamespace(
+        param_dtype="bfloat16", replica=1, offload="optimizer", delayed_update=2))
+    assert memory_rows(est, 3_938_688 + 16, 3_500_928)[1] == (
+        "memory/host", "3.50 MB estimated in host memory (offload) = float32 master 875 KB + "
+                       "Adam moments 1.75 MB + the pending float32 gradient 875 KB (delayed "
+                       "update)")
 
 
 def test_delayed_update_adds_the_pending_gradient_shard():

@@ -106,12 +106,15 @@ def memory_rows(estimate: RunEstimate, measured: int,
     m, dtype, fmt = estimate.memory, estimate.param_dtype, format_bytes
     share = MASTER_BYTES / (MASTER_BYTES + estimate.state_bytes)  # the master's part of K
     if estimate.offload:
-        master = m.host * share
+        master = (m.host - m.pending) * share
         return [
             ("memory/device", f"{fmt(estimate.state)} estimated in device memory = {dtype} "
                               f"params {fmt(m.params)}"),
             ("memory/host", f"{fmt(m.host)} estimated in host memory (offload) = float32 "
-                            f"master {fmt(master)} + {estimate.held} {fmt(m.host - master)}"),
+                            f"master {fmt(master)} + {estimate.held} "
+                            f"{fmt(m.host - master - m.pending)}"
+                            + (f" + the pending float32 gradient {fmt(m.pending)} (delayed "
+                               f"update)" if m.pending else "")),
             ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
                  f"this device's shards of the state"),
             ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype}) only while a step "
@@ -277,7 +280,8 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
                             hpz=getattr(cfg, "hpz", False),
                             quantize_weights=getattr(cfg, "quantize_weights", None),
                             quantize_grads=getattr(cfg, "quantize_grads", None),
-                            model=getattr(cfg, "model_parallel", 1), split_params=split_params)
+                            model=getattr(cfg, "model_parallel", 1), split_params=split_params,
+                            delayed_update=getattr(cfg, "delayed_update", None))
     grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
                        offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,
