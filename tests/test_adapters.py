@@ -178,7 +178,8 @@ def linen_loss(apply, batch):
 
 
 def linen_reference(module):
-    params = module.init(jax.random.key(0), BATCHES[0]["inputs"][:1])["params"]
+    # jitted: one program, not flax's init op by op
+    params = jax.jit(module.init)(jax.random.key(0), BATCHES[0]["inputs"][:1])["params"]
     return reference_run(lambda p, b: linen_loss(lambda *a: module.apply({"params": p}, *a), b),
                          params)
 
@@ -430,7 +431,7 @@ def test_linen_batchnorm_matches_global_batch(stage):
         state, _ = engine.step(state, b)
 
     ref = ex.CNN()
-    variables = ref.init(jax.random.key(0), sample)
+    variables = jax.jit(ref.init)(jax.random.key(0), sample)  # one program, not op by op
     params, stats = variables["params"], variables["batch_stats"]
     def loss(p, stats, b):
         logits, new = ref.apply({"params": p, "batch_stats": stats}, b["images"],
