@@ -178,7 +178,8 @@ def linen_loss(apply, batch):
 
 
 def linen_reference(module):
-    params = module.init(jax.random.key(0), BATCHES[0]["inputs"][:1])["params"]
+    # jitted: one program, not flax's init op by op
+    params = jax.jit(module.init)(jax.random.key(0), BATCHES[0]["inputs"][:1])["params"]
     return reference_run(lambda p, b: linen_loss(lambda *a: module.apply({"params": p}, *a), b),
                          params)
 
@@ -257,7 +258,8 @@ def test_linen_scan_parity(stage):
     # One kernel element whose gradient crosses zero moves by Adam's lr-sized noise (1.8e-5):
     # elementwise atol 1e-4; the relative L2 errors keep RTOL.
     assert_tree_close(params, ref_params, rtol=RTOL, atol=1e-4)
-    logits = module.apply(zm.merge(params), BATCHES[0]["inputs"])
+    # The merged variables apply as Flax's own (traced, not run: only the shape is checked).
+    logits = jax.eval_shape(module.apply, zm.merge(params), BATCHES[0]["inputs"])
     assert logits.shape == (8, T, V)
 
 
@@ -430,7 +432,7 @@ def test_linen_batchnorm_matches_global_batch(stage):
         state, _ = engine.step(state, b)
 
     ref = ex.CNN()
-    variables = ref.init(jax.random.key(0), sample)
+    variables = jax.jit(ref.init)(jax.random.key(0), sample)  # one program, not op by op
     params, stats = variables["params"], variables["batch_stats"]
     def loss(p, stats, b):
         logits, new = ref.apply({"params": p, "batch_stats": stats}, b["images"],
@@ -534,13 +536,13 @@ def test_linen_scan_stack_on_another_axis_is_a_model_error():
 
     sample = BATCHES[0]["inputs"][:1]
     zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample, units=(ScanBlock,))
-    params = zm.init(jax.random.key(0))
+    params = jax.jit(zm.init)(jax.random.key(0))  # jitted here and below: not op by op
     with pytest.raises(zj.ModelError, match="on axis 0"):
         zm.loss(params, BATCHES[0], PlainUnits())
     # Without the unit, the same model runs as one unit, exactly as plain linen.
     zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample)
-    np.testing.assert_allclose(zm.loss(params, BATCHES[0], PlainUnits()),
-                               Moved().apply({"params": params}, BATCHES[0]["inputs"]),
+    np.testing.assert_allclose(jax.jit(lambda p: zm.loss(p, BATCHES[0], PlainUnits()))(params),
+                               jax.jit(Moved().apply)({"params": params}, BATCHES[0]["inputs"]),
                                rtol=1e-6)
 
 

@@ -30,6 +30,7 @@ from zerojax.models import GPT
 PRESET = "small8"
 
 
+@functools.cache  # one engine per stage and N: the traffic tests and `measured` lower it once
 def engine(stage, n, **kw):
     cfg = zj.ZeroConfig(stage=stage, param_dtype="bfloat16", **kw)
     return zj.Engine(GPT.from_preset(PRESET), optax.adamw(3e-4), zj.make_mesh(data=n), cfg)

@@ -91,9 +91,10 @@ def test_tiny_transformer_matches_seed_003_table():
 
 def test_tiny_transformer_loss_and_grads():
     model = TinyTransformer()
-    params = model.init(jax.random.key(1))
+    params = jax.jit(model.init)(jax.random.key(1))  # one program each, not op by op
     batch = _tokens(jax.random.key(2), 8, 4, 3)
     loss_fn = jax.jit(model.loss, static_argnums=2)
+    logits = jax.jit(model.logits, static_argnums=2)
     value, g = jax.jit(jax.value_and_grad(model.loss), static_argnums=2)(
         params, batch, PlainUnits()
     )
@@ -104,8 +105,8 @@ def test_tiny_transformer_loss_and_grads():
     assert abs(float(bf16) - float(value)) < 0.05
     # causal: changing the last input token leaves the first two positions' logits unchanged
     alt = batch["inputs"].at[:, 2].set((batch["inputs"][:, 2] + 1) % 8)
-    a = model.logits(params, batch["inputs"], PlainUnits())
-    b = model.logits(params, alt, PlainUnits())
+    a = logits(params, batch["inputs"], PlainUnits())
+    b = logits(params, alt, PlainUnits())
     np.testing.assert_array_equal(a[:, :2], b[:, :2])
     assert np.any(a[:, 2] != b[:, 2])
 
@@ -175,8 +176,9 @@ def test_gpt_loss_grad_dtype_and_apply(gpt_test):
 def test_gpt_is_causal_and_accepts_short_sequences(gpt_test):
     model, params, batch = gpt_test
     x = batch["inputs"][:, :8]
-    a = model.apply(params, x)
-    b = model.apply(params, x.at[:, 5].set((x[:, 5] + 1) % model.cfg.vocab_size))
+    apply = jax.jit(model.apply)  # one program for both, not op by op
+    a = apply(params, x)
+    b = apply(params, x.at[:, 5].set((x[:, 5] + 1) % model.cfg.vocab_size))
     np.testing.assert_allclose(a[:, :5], b[:, :5], rtol=0, atol=1e-6)
     assert np.any(np.abs(a[:, 5:] - b[:, 5:]) > 1e-4)
 
@@ -212,8 +214,9 @@ def test_gpt_attention_matches_the_written_out_formula(dtype, tol):
         assert out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                    rtol=tol, atol=tol)
-        grads = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
-        ref_grads = jax.grad(loss(_reference_attention), argnums=(0, 1, 2))(q, k, v)
+        # Jitted: one program each (op by op, every primitive of the backward compiles alone).
+        grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+        ref_grads = jax.jit(jax.grad(loss(_reference_attention), argnums=(0, 1, 2)))(q, k, v)
         for g, r in zip(grads, ref_grads):
             assert np.any(np.asarray(r, np.float32) != 0)
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),

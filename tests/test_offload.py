@@ -27,6 +27,7 @@ from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
 import zerojax as zj
+from zerojax.analysis.measurement import state_bytes
 from zerojax.mesh import put_batch
 from zerojax.models import SeedMLP
 from zerojax.step import per_unit
@@ -44,6 +45,12 @@ def assert_placement(state):
     assert kinds(state.opt_state) == {HOST}
     rest = (state.step, state.compute, state.loss_scale, state.rng, state.model_state)
     assert kinds(rest) == {DEVICE}
+
+
+def learn_units(engine, batch):
+    """What `engine.init(rng, batch)` learns (the units, so the state's layout), without
+    compiling or running the init program: these tests only read the step's program."""
+    state_bytes(engine, batch)
 
 
 def offload_pair(model, optimizer, mesh, batches, **cfg):
@@ -104,11 +111,11 @@ def test_model_state_stays_on_device_and_evaluate_reads_it():
     assert s0.compute is None and s1.compute is not None
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh,
                     zj.ZeroConfig(stage=3, offload="optimizer"))
-    eng.init(jax.random.key(0), BATCHES[0])
+    learn_units(eng, BATCHES[0])
     assert_placement(eng.abstract_state())  # what AOT compilation and restore target
     ev = eng.evaluate(s1, BATCHES[5])
     ref = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(stage=3))
-    ref.init(jax.random.key(0), BATCHES[0])
+    learn_units(ref, BATCHES[0])
     assert float(ev["loss"]) == float(ref.evaluate(s0, BATCHES[5])["loss"])
 
 
@@ -116,7 +123,7 @@ def test_update_is_compiled_for_the_host():
     eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
                     zj.ZeroConfig(stage=3, offload="optimizer"))
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
-    eng.init(jax.random.key(0), batch)
+    learn_units(eng, batch)
     text = eng.lower(None, put_batch(batch, eng.mesh)).as_text()
     assert '_xla_compute_type = "host"' in text
     assert 'mhlo.memory_kind = "pinned_host"' in text
@@ -209,7 +216,7 @@ def test_the_updated_shard_comes_back_in_the_compute_dtype(stage, dtype):
     eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
                     zj.ZeroConfig(stage=stage, param_dtype=dtype, offload="optimizer"))
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
-    eng.init(jax.random.key(0), batch)
+    learn_units(eng, batch)
     jaxpr = jax.make_jaxpr(eng._compiled_step())(eng.abstract_state(), put_batch(batch, eng.mesh))
     back = _transfers(jaxpr.jaxpr, [])
     assert {a.dtype.name for a in back} == {dtype}
@@ -272,7 +279,7 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
     eng = zj.Engine(Flat(1 << 12), optax.adamw(lr, weight_decay=0.1), zj.make_mesh(data=2),
                     zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer"))
     batch = {"x": np.ones((4, 8), np.float32)}
-    eng.init(jax.random.key(0), batch)
+    learn_units(eng, batch)
     low = eng.lower(None, put_batch(batch, eng.mesh))
     compiled = low.compile({"xla_dump_to": str(tmp_path), **DEFAULT_BUFFERS})
     alias, params = _entry(compiled.as_text())

@@ -27,8 +27,16 @@ _COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-reduce|all-gather|reduce-scatter|all
 
 
 @functools.cache
+def _lowered(name, stage, dtype="float32"):
+    """(engine, its step lowered): one lowering per optimizer, stage and dtype, shared by the
+    collective counts and the compiled measurement."""
+    engine, batch = gpt_engine(OPTS[name](), stage, dtype=dtype)
+    return engine, lower(engine, batch)
+
+
+@functools.cache
 def _collectives(name, stage, dtype="float32") -> collections.Counter:
-    return collectives(*gpt_engine(OPTS[name](), stage, dtype=dtype))
+    return count(_lowered(name, stage, dtype)[1])
 
 
 OPTS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -39,9 +47,9 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(1e-3, weight
         "fromage": lambda: optax.fromage(1e-3)}
 
 
-def collectives(engine, batch) -> collections.Counter:
-    """(kind, result type) of every collective in the step's pre-optimization HLO."""
-    hlo = lower(engine, batch).compiler_ir("hlo").as_hlo_text()
+def count(lowered) -> collections.Counter:
+    """(kind, result type) of every collective in a lowered step's pre-optimization HLO."""
+    hlo = lowered.compiler_ir("hlo").as_hlo_text()
     return collections.Counter((kind, re.sub(r"\{[^}]*\}", "", typ))
                                for typ, kind in _COLLECTIVE.findall(hlo))
 
@@ -93,14 +101,14 @@ def test_trust_ratio_optimizers_in_bf16_keep_adamws_stage3_peak():
     """LARS and Fromage take per-leaf norms like LAMB: in bf16 at stage 3 they add all-reduces
     only (no all-to-all), and their compiled peak is AdamW's (the state differs by Fromage's
     and LARS's smaller moments only)."""
-    from zerojax.analysis.measurement import measure
+    from zerojax.analysis.measurement import measure_lowered
 
     for name in ("lars", "fromage"):
         more, _ = added(name, 3, base="sgd", dtype="bfloat16")
         assert {kind for kind, _ in more} == {"all-reduce"}, (name, more)
     peaks = {}
-    for name in ("adamw", "lamb"):
-        m = measure(*gpt_engine(OPTS[name](), 3, dtype="bfloat16"))
+    for name in ("adamw", "lamb"):  # lowered already where the lamb test counted collectives
+        m = measure_lowered(*_lowered(name, 3, "bfloat16"))
         peaks[name] = m.peak_bytes - m.state["total"]
     assert peaks["lamb"] <= 1.01 * peaks["adamw"], peaks
 
@@ -132,6 +140,7 @@ def _flops(lowered) -> float:
     return lowered.cost_analysis()["flops"]  # of the program XLA compiles
 
 
+@functools.cache  # muon_step(5) is read twice: its FLOPs and its collectives
 def muon_step(ns_steps, owners=True):
     model = Matrices()
     b = {"x": jax.ShapeDtypeStruct((2 * N, D), jnp.float32),
