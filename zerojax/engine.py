@@ -357,8 +357,8 @@ class Engine:
         layout, offload = self.layout, self.config.offload is not None
         check_state(self, state)
         master = self._delay.applied_fn()(state)[0] if self._delay else state.master
-        return jax.jit(lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m))(
-            master)
+        return self._jitted("params", lambda: jax.jit(
+            lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m)))(master)
 
     def model_state(self, state: TrainState) -> Any:
         """The logical model state (None for a model without `init_state`)."""
@@ -373,8 +373,17 @@ class Engine:
         if self._delay:
             check_state(self, state)
             state = state._replace(opt_state=self._delay.applied_fn()(state)[1])
-        return jax.jit(lambda s: self.plan.update.logical(
-            on_device(s).opt_state if offload else s.opt_state))(state)
+        plan = self.plan
+        return self._jitted("optimizer_state", lambda: jax.jit(lambda s: plan.update.logical(
+            on_device(s).opt_state if offload else s.opt_state)))(state)
+
+    def _jitted(self, name: str, make):
+        """A jitted helper made once per plan: a fresh `jax.jit(lambda ...)` per call traces
+        and lowers again each time (0.2-0.5 s a call for a small model)."""
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if name not in cache or cache[name][0] is not self.plan:
+            cache[name] = (self.plan, make())
+        return cache[name][1]
 
     # ---------------------------------------------------------------- the logical layout
 
