@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
-from zerojax.delayed import Delay, empty_pending, lagging, pending_specs, with_lagging
 from zerojax.errors import ConfigError, ModelError
 from zerojax.mesh import (
     DATA,
@@ -47,6 +46,7 @@ from zerojax.step import (
 )
 from zerojax.units import RecordingUnits, make_handles
 from zerojax.update import ShardedUpdate, StepUpdate, as_transformation, takes_value
+from zerojax.update.delayed import Delay, empty_pending, lagging, pending_specs, with_lagging
 
 HOST_MEMORY = "pinned_host"  # where offload="optimizer" keeps master and optimizer state
 
@@ -392,7 +392,7 @@ class Engine:
         "loss_scale": {"scale", "good_steps"}, "rng"[, "model_state"]}, as checkpoints hold
         it: original shapes, no padding, any stage and N; PRNG keys as their raw data.
         With delayed_update: the params and optimizer state with the pending update applied,
-        and the compute params the next step runs on as "delayed"/"params" (delayed.py)."""
+        and the compute params the next step runs on as "delayed"/"params" (update/delayed.py)."""
         lag = None
         if self._delay:
             lag = lagging(self.plan, state.compute)
