@@ -377,7 +377,7 @@ class Engine:
         return self._jitted("optimizer_state", lambda: jax.jit(lambda s: plan.update.logical(
             on_device(s).opt_state if offload else s.opt_state)))(state)
 
-    def _jitted(self, name: str, make):
+    def _jitted(self, name, make):
         """A jitted helper made once per plan: a fresh `jax.jit(lambda ...)` per call traces
         and lowers again each time (0.2-0.5 s a call for a small model)."""
         cache = self.__dict__.setdefault("_jit_cache", {})

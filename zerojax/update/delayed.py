@@ -115,16 +115,10 @@ class Delay:
 
     def __init__(self, engine):
         self.engine, self.k = engine, engine.config.delayed_update
-        self._fns: dict = {}
-        self._plan = None  # the plan the programs in `_fns` were built for
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
     def _cached(self, key, build):
-        if self._plan is not self.engine.plan:
-            self._fns, self._plan = {}, self.engine.plan
-        if key not in self._fns:
-            self._fns[key] = build()
-        return self._fns[key]
+        return self.engine._jitted(("delayed", key), build)  # made once per plan
 
     def _shard_map(self, body, in_specs, out_specs):
         eng = self.engine
