@@ -9,6 +9,7 @@ an absolute bound would hide a wrong update when updates are small).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -125,13 +126,18 @@ class Bundle:
         self.width = 6 if split else 7
 
     def init(self, rng):
-        out, w = {}, self.width
-        for i, name in enumerate(self.names):
-            k = jax.random.split(jax.random.fold_in(rng, i))
-            out[name] = {"w": 0.4 * jax.random.normal(k[0], (5, w)),
-                         "t": jnp.ones(() if name not in NO_SCALARS else (1,))}
-            if name not in ELEMENTWISE:
-                out[name]["stack"] = 0.3 * jax.random.normal(k[1], (2, w, w))
+        """Every matrix from one normal draw (one random program to compile, not two a
+        group)."""
+        w = self.width
+        shapes = [(name, key, shape, scale) for name in self.names
+                  for key, shape, scale in (("w", (5, w), 0.4), ("stack", (2, w, w), 0.3))
+                  if key == "w" or name not in ELEMENTWISE]
+        sizes = [math.prod(shape) for _, _, shape, _ in shapes]
+        z = jnp.split(jax.random.normal(rng, (sum(sizes),)), np.cumsum(sizes)[:-1])
+        out = {name: {"t": jnp.ones(() if name not in NO_SCALARS else (1,))}
+               for name in self.names}
+        for (name, key, shape, scale), x in zip(shapes, z):
+            out[name][key] = scale * x.reshape(shape)
         return out
 
     def param_specs(self):
@@ -172,7 +178,7 @@ def reference(bundle, split=False):
 @functools.cache
 def _reference(bundle, split):
     model, tx = Bundle(BUNDLES[bundle], split), bundled(BUNDLES[bundle])
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # as Engine.init: one program
     start, state = params, tx.init(params)
 
     @jax.jit

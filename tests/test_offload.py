@@ -1,6 +1,7 @@
 """ZeRO-Offload (`offload="optimizer"`): master and optimizer state in pinned host memory, the
 update on the host, the same numbers as without offload."""
 
+import functools
 import re
 import sys
 import time
@@ -53,14 +54,27 @@ def learn_units(engine, batch):
     state_bytes(engine, batch)
 
 
-def offload_pair(model, optimizer, mesh, batches, **cfg):
-    """The same run without and with offload: [(losses, grad norms, params, state)] * 2."""
+@functools.cache
+def gpt_engine(n, stage, offload):
+    """The test GPT's engine with AdamW and clipping on N devices (one per process: tests that
+    build the same one share its programs)."""
+    return zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=n),
+                     zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload=offload))
+
+
+def runs(engines, batches):
+    """Each engine's run on `batches`: [(losses, grad norms, params, state)]."""
     out = []
-    for offload in (None, "optimizer"):
-        eng = zj.Engine(model, optimizer, mesh, zj.ZeroConfig(offload=offload, **cfg))
+    for eng in engines:
         losses, params, state = engine_run(eng, batches)
         out.append((losses, engine_run.norms, params, state))
     return out
+
+
+def offload_pair(model, optimizer, mesh, batches, **cfg):
+    """The same run without and with offload: [(losses, grad norms, params, state)] * 2."""
+    return runs([zj.Engine(model, optimizer, mesh, zj.ZeroConfig(offload=offload, **cfg))
+                 for offload in (None, "optimizer")], batches)
 
 
 @pytest.mark.parametrize("stage", sweep([1, 2, 3], quick=[3]))
@@ -72,10 +86,9 @@ def test_offload_gives_the_same_numbers(stage, n):
     steps on the numbers differ in the last bits (measured: losses 1.6e-7, norms 1.9e-7
     relative, params 1.2e-7 over 20 steps); the first step, whose gradients are the same
     reduce-scatters, is still bitwise."""
-    model = tiny_gpt()
-    batches = [gpt_batch(model.cfg, 8, s) for s in range(20)]
-    (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(
-        model, adamw(), zj.make_mesh(data=n), batches, stage=stage, clip_norm=CLIP)
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(20)]
+    (l0, n0, p0, _), (l1, n1, p1, state) = runs(
+        [gpt_engine(n, stage, offload) for offload in (None, "optimizer")], batches)
     if stage == 1:
         np.testing.assert_array_equal(l1, l0)
         np.testing.assert_array_equal(n1, n0)
@@ -93,8 +106,7 @@ def test_offload_gives_the_same_numbers(stage, n):
 def test_offload_matches_single_device_optax(stage, n):
     """With each unit's gradient sent to the host in the backward (`step.per_unit`); on N = 3
     every leaf is padded, so the host shards and the per-unit sums of squares carry padding."""
-    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer")
-    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=n), cfg)
+    eng = gpt_engine(n, stage, "optimizer")
     check_parity(eng)
     assert per_unit(eng.plan)
 
@@ -121,8 +133,7 @@ def test_model_state_stays_on_device_and_evaluate_reads_it():
 
 
 def test_update_is_compiled_for_the_host():
-    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
-                    zj.ZeroConfig(stage=3, offload="optimizer"))
+    eng = gpt_engine(4, 3, "optimizer")
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
     learn_units(eng, batch)
     text = eng.lower(None, put_batch(batch, eng.mesh)).as_text()
@@ -151,18 +162,12 @@ def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
 
 
 def test_checkpoints_cross_offload_and_device_counts(tmp_path):
-    model = tiny_gpt()
-    batches = [gpt_batch(model.cfg, 8, s) for s in range(3)]
-
-    def engine(n, stage, offload):
-        return zj.Engine(model, adamw(), zj.make_mesh(data=n),
-                         zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload=offload))
-
-    on = engine(4, 3, "optimizer")
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(3)]
+    on = gpt_engine(4, 3, "optimizer")
     _, params, state = engine_run(on, batches[:2])
     on.save(state, tmp_path / "on")
 
-    off = engine(2, 1, None)  # offload on -> off, N 4 -> 2
+    off = gpt_engine(2, 1, None)  # offload on -> off, N 4 -> 2
     restored = off.restore(tmp_path / "on")
     assert kinds((restored.master, restored.opt_state)) == {DEVICE}
     assert_bitwise(off.params(restored), params)
@@ -173,7 +178,7 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
     assert_tree_close(off.params(restored), on.params(state), rtol=1e-5, atol=1e-6)
     off.save(restored, tmp_path / "off")
 
-    back = engine(1, 2, "optimizer")  # offload off -> on, N 2 -> 1
+    back = gpt_engine(1, 2, "optimizer")  # offload off -> on, N 2 -> 1
     again = back.restore(tmp_path / "off")
     assert_placement(again)
     assert_bitwise(back.params(again), off.params(restored))

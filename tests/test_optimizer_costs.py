@@ -73,7 +73,7 @@ def test_elementwise_optimizers_add_no_collective(stage):
         assert added(name, stage) == (collections.Counter(), collections.Counter()), name
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", sweep([0, 1, 3], quick=[0, 3]))
 def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
     more, fewer = added("clip+adamw", stage, base="adamw")
     assert not fewer
@@ -83,7 +83,7 @@ def test_global_norm_clip_adds_one_scalar_all_reduce(stage):
 
 
 @pytest.mark.parametrize("dtype", sweep(["float32", "bfloat16", "float16"],
-                                        quick=["float32", "bfloat16"]))
+                                        quick=["bfloat16"]))
 def test_lamb_adds_small_all_reduces_of_two_norms_per_leaf(dtype):
     """lamb needs each leaf's param norm and update norm: one all-reduce of both for every
     leaf at once; optax's safe_norm then takes each norm again where it is not zero (a second
@@ -320,12 +320,17 @@ def test_multisteps_as_users_write_it():
     """optax.MultiSteps itself (not its .gradient_transformation()) is accepted and exact."""
     bs = tiny_batches(4)
     tx = optax.MultiSteps(optax.adam(0.1), 2)
-    params = Tiny().init(jax.random.key(0))
-    state = tx.init(params)
-    for b in bs:
-        g = jax.grad(lambda p, b=b: Tiny().loss(p, b, PlainUnits()))(params)
+
+    @jax.jit
+    def ref_step(params, state, b):
+        g = jax.grad(lambda p: Tiny().loss(p, b, PlainUnits()))(params)
         u, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, u)
+        return optax.apply_updates(params, u), state
+
+    params = jax.jit(Tiny().init)(jax.random.key(0))
+    state = jax.jit(tx.init)(params)
+    for b in bs:
+        params, state = ref_step(params, state, b)
     engine = zj.Engine(Tiny(), optax.MultiSteps(optax.adam(0.1), 2), zj.make_mesh(data=2),
                        zj.ZeroConfig(stage=3))
     st = engine.init(jax.random.key(0), bs[0])

@@ -78,12 +78,16 @@ def test_muon_on_data_by_model_matches_single_device_optax():
 
     model, tx = OneMatrix(["muon"], split=True), table.bundled(["muon"])
     bs = table.batches()[:2]
-    params = start = model.init(jax.random.key(0))
-    opt, ref_losses = tx.init(params), []
-    for b in bs:
-        loss, g = jax.value_and_grad(lambda p, b=b: model.loss(p, b, PlainUnits()))(params)
+    @jax.jit
+    def ref_step(params, opt, b):
+        loss, g = jax.value_and_grad(lambda p: model.loss(p, b, PlainUnits()))(params)
         u, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, u)
+        return optax.apply_updates(params, u), opt, loss
+
+    params = start = jax.jit(model.init)(jax.random.key(0))
+    opt, ref_losses = jax.jit(tx.init)(params), []
+    for b in bs:
+        params, opt, loss = ref_step(params, opt, b)
         ref_losses.append(float(loss))
     engine = zj.Engine(model, tx, zj.make_mesh(data=4, model=2), zj.ZeroConfig(stage=3))
     state = engine.init(jax.random.key(0), bs[0])

@@ -9,23 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, gpt_batch, sweep, tiny_gpt
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.collectives import Wire, gather_units, reduce_scatter
-from zerojax.collectives.quantize import (
-    QMAX,
-    decode,
-    encode,
-    message_bytes,
-    num_blocks,
-    value_bytes,
-)
+from zerojax.collectives import Wire, gather_units, quantize, reduce_scatter
+from zerojax.collectives.quantize import QMAX, message_bytes, num_blocks, value_bytes
 from zerojax.errors import ConfigError
 from zerojax.models import SeedMLP
 from zerojax.partition import LeafSpec
+
+# Each one program, as inside a step (not op by op: a compile per operation).
+encode = jax.jit(quantize.encode, static_argnums=(1, 2, 3))
+decode = jax.jit(quantize.decode, static_argnums=(2, 3, 4, 5))
 
 # Segments of very different magnitudes (a LayerNorm scale next to small weights) and lengths
 # that are not multiples of the block: a block never straddles two of them.
@@ -431,7 +428,8 @@ def _grad_bytes(sent):
     return sent.get("all_to_all", 0.0) + sent.get("reduce_scatter", 0.0)
 
 
-@pytest.mark.parametrize("fmt, most", [("int4", 0.30), ("int8", 0.55)])
+@pytest.mark.parametrize("fmt, most", sweep([("int4", 0.30), ("int8", 0.55)],
+                                             quick=[("int4", 0.30)]))
 def test_qwz_and_qgz_bytes_from_the_hlo(fmt, most):
     """Measured: qwZ gathers 0.508× bf16's, qgZ int4 0.258× and int8 0.508× the bf16
     reduce-scatter (values + one float32 scale per 256: 1/64 byte a param)."""
