@@ -112,6 +112,7 @@ def test_stage3_never_holds_a_stack_of_full_layer_weights(prefetch):
                 assert text not in hlo, f"{leaf.path}: a full-size {text} buffer exists"
 
 
+@pytest.mark.slow  # quick: test_stage3_temp_below_two_layers_plus_activations
 def test_stage3_temp_grows_by_activations_not_weights_per_layer():
     e8, x8 = compiled(3, layers=8)
     _, x16 = compiled(3, layers=16)
@@ -199,7 +200,7 @@ def stablehlo_ops(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", sweep([1, 2, 3], quick=[1, 3]))  # 2 refreshes as 1 does
 def test_weights_cast_in_the_layer_stay_per_layer_and_gather_in_compute_dtype(stage):
     """Judged on the lowered program, the one every backend compiles: every all_gather in
     bf16, and every fp32 cast of a layer's weight (and the bf16 cast before each refresh
