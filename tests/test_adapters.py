@@ -196,8 +196,19 @@ def linen_setup():
     return module, linen_reference(module)
 
 
+@functools.cache
+def linen_engine(stage):
+    """The linen LM's engine at `stage`, its scanned blocks the units: the parity run trains
+    it, the memory test reads its compiled step."""
+    zm = zj.from_linen(LinenLM(), linen_loss, BATCHES[0]["inputs"][:1], units=(ScanBlock,))
+    return zj.Engine(zm, tx(), zj.make_mesh(data=N), zj.ZeroConfig(stage=stage))
+
+
 def run(zm, stage):
-    engine = zj.Engine(zm, tx(), zj.make_mesh(data=N), zj.ZeroConfig(stage=stage))
+    return train(zj.Engine(zm, tx(), zj.make_mesh(data=N), zj.ZeroConfig(stage=stage)))
+
+
+def train(engine):
     state = engine.init(jax.random.key(0), BATCHES[0])
     losses = []
     for b in BATCHES:
@@ -238,6 +249,7 @@ def test_nnx_unit_called_twice():
     assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
 
 
+@pytest.mark.slow  # quick: test_published.py's nnx parity (an nnx.vmap stack run by nnx.scan)
 def test_nnx_scan_parity():
     model = ScannedNNXLM(nnx.Rngs(0))
     ref_losses, ref_params = nnx_reference(model)
@@ -251,9 +263,10 @@ def test_nnx_scan_parity():
 @pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
 def test_linen_scan_parity(stage):
     module, (ref_losses, ref_params) = linen_setup()
-    zm = zj.from_linen(module, linen_loss, BATCHES[0]["inputs"][:1], units=(ScanBlock,))
+    engine = linen_engine(stage)
+    zm = engine.model
     assert (zm.instances, list(zm.stacks)) == ([], [("blocks",)])
-    losses, params = run(zm, stage)
+    losses, params = train(engine)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     # One kernel element whose gradient crosses zero moves by Adam's lr-sized noise (1.8e-5):
     # elementwise atol 1e-4; the relative L2 errors keep RTOL.
@@ -271,8 +284,10 @@ def all_gathers(hlo_text):
 
 
 def stage3(zm, batch):
-    """(peak bytes per device, param count, compiled HLO) of a stage-3 step, donated state."""
-    engine = zj.Engine(zm, optax.adamw(1e-3), zj.make_mesh(data=N), zj.ZeroConfig(stage=3))
+    """(peak bytes per device, param count, compiled HLO) of a stage-3 step, donated state;
+    `zm` a model, or a stage-3 engine of one."""
+    engine = zm if isinstance(zm, zj.Engine) else zj.Engine(zm, tx(), zj.make_mesh(data=N),
+                                                           zj.ZeroConfig(stage=3))
     compiled = lower(engine, batch).compile()
     mem = compiled.memory_analysis()
     peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -306,6 +321,7 @@ def test_nnx_scan_units_free_gathered_layers(caplog):
     with caplog.at_level("INFO", logger="zerojax"):
         auto = zj.from_nnx(model, nnx_loss)  # the nnx.vmap stack is found: one unit per layer
     assert auto.classes == (Block,) and "units=(Block) chosen: the stacked layers" in caplog.text
+    assert auto.unit_paths == [("blocks",)]
     per_layer, _, hlo = stage3(auto, batch)
     assert per_layer <= whole - 0.5 * 4 * num_params
     sent = lambda text: collective_bytes(text, N)["all_gather"]  # noqa: E731
@@ -313,13 +329,12 @@ def test_nnx_scan_units_free_gathered_layers(caplog):
 
 
 def test_linen_scan_units_free_gathered_layers():
-    module = LinenLM(layers=L8, d=32)
+    module = LinenLM()
     batch = lm_batch(0)
     sample = jax.ShapeDtypeStruct((1, T), jnp.int32)  # as for module.init: arrays or shapes
     whole, num_params, hlo_whole = stage3(zj.from_linen(module, linen_loss, sample, units=()),
                                           batch)
-    per_layer, _, hlo = stage3(zj.from_linen(module, linen_loss, sample, units=(ScanBlock,)),
-                               batch)
+    per_layer, _, hlo = stage3(linen_engine(3), batch)  # units=(ScanBlock,)
     assert per_layer <= whole - 0.5 * 4 * num_params
     # Without units= the nn.scan stack is found: the per-layer program, its peak to the byte.
     auto = zj.from_linen(module, linen_loss, sample)
@@ -360,25 +375,20 @@ def test_nnx_dropout_differs_per_device_and_resumes_bitwise(tmp_path):
 
     rows = {k: np.tile(v[:2], (N, 1)) for k, v in BATCHES[0].items()}
     zm = zj.from_nnx(NNXLM(nnx.Rngs(0), layers=2, rate=0.5), loss_fn, units=(Block,))
-
-    def engine():
-        return zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=N), zj.ZeroConfig(stage=3))
-
-    first = engine()
-    state = first.init(jax.random.key(0), rows)
+    engine = zj.Engine(zm, optax.sgd(0.0), zj.make_mesh(data=N), zj.ZeroConfig(stage=3))
+    state = engine.init(jax.random.key(0), rows)
     runs = []
     for i in range(4):
         if i == 2:
-            first.save(state, tmp_path / "ckpt")
-        state, m = first.step(state, rows)
+            engine.save(state, tmp_path / "ckpt")
+        state, m = engine.step(state, rows)
         runs.append((float(m["loss"]), float(m["loss_sq"])))
     assert all(sq - loss * loss > 1e-6 for loss, sq in runs), runs
     assert len({loss for loss, _ in runs}) == 4, runs
-    again = engine()
-    state = again.restore(tmp_path / "ckpt")
+    state = engine.restore(tmp_path / "ckpt")
     resumed = []
     for _ in range(2):
-        state, m = again.step(state, rows)
+        state, m = engine.step(state, rows)
         resumed.append((float(m["loss"]), float(m["loss_sq"])))
     assert resumed == runs[2:]
 
@@ -386,13 +396,7 @@ def test_nnx_dropout_differs_per_device_and_resumes_bitwise(tmp_path):
 def test_linen_model_state_restores_on_another_mesh_and_stage(tmp_path):
     """Saved under stage 3 on 4 devices, restored under stage 1 on 2: params, BatchNorm
     statistics and the base key come back bitwise."""
-    ex = load_example("linen_cnn_batchnorm")
-    sample = jnp.zeros((1, ex.SIZE, ex.SIZE, 1))
-    zm = zj.from_linen(ex.CNN(), ex.loss_fn, sample, units=(ex.ConvBlock,))
-    src = zj.Engine(zm, optax.adam(1e-2), zj.make_mesh(data=4), zj.ZeroConfig(stage=3))
-    state = src.init(jax.random.key(0), ex.make_batch(0, 16))
-    for s in range(2):
-        state, _ = src.step(state, ex.make_batch(s, 16))
+    ex, zm, src, state, _ = cnn_run(3)
     src.save(state, tmp_path / "ckpt")
     dst = zj.Engine(zm, optax.adam(1e-2), zj.make_mesh(data=2), zj.ZeroConfig(stage=1))
     back = dst.restore(tmp_path / "ckpt")
@@ -401,7 +405,7 @@ def test_linen_model_state_restores_on_another_mesh_and_stage(tmp_path):
     assert float(jnp.abs(dst.model_state(back)["batch_stats"]["ConvBlock_0"]["BatchNorm_0"]
                          ["mean"]).max()) > 0
     np.testing.assert_array_equal(np.asarray(back.rng), np.asarray(state.rng))
-    _, m2 = dst.step(back, ex.make_batch(2, 16))  # and it trains on from there
+    _, m2 = dst.step(back, ex.make_batch(STEPS, 16))  # and it trains on from there
     assert np.isfinite(float(m2["loss"]))
 
 
@@ -416,10 +420,10 @@ def load_example(name):
     return mod
 
 
-@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
-def test_linen_batchnorm_matches_global_batch(stage):
-    """BatchNorm over the batch axes inside per-block units: params and running statistics
-    as one device's BatchNorm over the global batch."""
+@functools.cache
+def cnn_run(stage):
+    """(example, model, engine, state, batches) of the example CNN, its BatchNorm over the batch
+    axes, in per-block units, trained `STEPS` steps on 4 devices at `stage`."""
     ex = load_example("linen_cnn_batchnorm")
     mesh = zj.make_mesh(data=N)
     batches = [ex.make_batch(s, 16) for s in range(STEPS)]
@@ -430,7 +434,15 @@ def test_linen_batchnorm_matches_global_batch(stage):
     state = engine.init(jax.random.key(0), batches[0])
     for b in batches:
         state, _ = engine.step(state, b)
+    return ex, zm, engine, state, batches
 
+
+@pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[3]))
+def test_linen_batchnorm_matches_global_batch(stage):
+    """BatchNorm over the batch axes inside per-block units: params and running statistics
+    as one device's BatchNorm over the global batch."""
+    ex, _, engine, state, batches = cnn_run(stage)
+    sample = jnp.zeros((1, ex.SIZE, ex.SIZE, 1))
     ref = ex.CNN()
     variables = jax.jit(ref.init)(jax.random.key(0), sample)  # one program, not op by op
     params, stats = variables["params"], variables["batch_stats"]
@@ -536,9 +548,9 @@ def test_linen_scan_stack_on_another_axis_is_a_model_error():
 
     sample = BATCHES[0]["inputs"][:1]
     zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample, units=(ScanBlock,))
-    params = jax.jit(zm.init)(jax.random.key(0))  # jitted here and below: not op by op
+    params = jax.jit(zm.init)(jax.random.key(0))  # jitted or traced below: not op by op
     with pytest.raises(zj.ModelError, match="on axis 0"):
-        zm.loss(params, BATCHES[0], PlainUnits())
+        jax.eval_shape(lambda p: zm.loss(p, BATCHES[0], PlainUnits()), params)
     # Without the unit, the same model runs as one unit, exactly as plain linen.
     zm = zj.from_linen(Moved(), lambda apply, b: apply(b["inputs"]), sample)
     np.testing.assert_allclose(jax.jit(lambda p: zm.loss(p, BATCHES[0], PlainUnits()))(params),
@@ -618,7 +630,7 @@ def scan_pair(kind):
     """(zerojax model with the scanned layers as units, plain loss of (params, batch), params)."""
     if kind == "linen":
         module = XsLinen()
-        params = module.init(jax.random.key(0), xs_batch(0)["x"][:1])["params"]
+        params = jax.jit(module.init)(jax.random.key(0), xs_batch(0)["x"][:1])["params"]
         zm = zj.from_linen(module, lambda apply, b: xs_loss(*apply(b["x"])),
                            xs_batch(0)["x"][:1], units=(XsLayer,))
         plain = lambda p, b: xs_loss(*module.apply({"params": p}, b["x"]))  # noqa: E731
@@ -640,15 +652,17 @@ def test_scanned_units_take_per_layer_inputs_and_give_per_layer_outputs(kind):
     state = engine.init(jax.random.key(0), xs_batch(0))
     opt = optax.adam(1e-2)
     opt_state = opt.init(params)
+    grad = jax.jit(jax.value_and_grad(plain, has_aux=True))  # one program, not op by op
+    update = jax.jit(opt.update)
     for s in range(2):
-        (loss, aux), g = jax.value_and_grad(plain, has_aux=True)(params, xs_batch(s))
+        (loss, aux), g = grad(params, xs_batch(s))
         state, m = engine.step(state, xs_batch(s))
         np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
         got = [float(m[f"y{i}"]) for i in range(3)]
         np.testing.assert_allclose(got, [float(aux[f"y{i}"]) for i in range(3)], rtol=1e-5,
                                    atol=1e-7)
         assert len(set(np.round(got, 4))) == 3  # the layers' outputs are told apart
-        updates, opt_state = opt.update(g, opt_state, params)
+        updates, opt_state = update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
     want = nnx.to_pure_dict(params) if kind == "nnx" else params
     assert_tree_close(engine.params(state), want, rtol=1e-5, atol=1e-6)

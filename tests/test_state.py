@@ -93,7 +93,7 @@ def test_dropout_masks_differ_per_step_and_device():
     np.testing.assert_allclose(float(eng.evaluate(state, b)["loss"]), float(want), rtol=1e-6)
 
 
-@pytest.mark.parametrize("stage, prefetch", [(1, False), (3, True)])
+@pytest.mark.parametrize("stage, prefetch", sweep([(1, False), (3, True)], quick=[(3, True)]))
 def test_resume_draws_the_same_masks(stage, prefetch, tmp_path):
     """Save at step 3, restore: steps 4-6 bitwise equal to the uninterrupted run."""
     eng = engine(Dropout(), stage=stage, prefetch=prefetch)
@@ -124,7 +124,7 @@ class ExampleDropout(Dropout):
 
 def test_example_keys_give_the_same_run_on_any_device_count():
     runs = []
-    for n, stage, accum in [(1, 0, 1), (4, 3, 1), (2, 1, 2)]:
+    for n, stage, accum in [(1, 0, 1), (4, 3, 2)]:
         eng = engine(ExampleDropout(), n=n, stage=stage, grad_accum=accum)
         state = eng.init(jax.random.key(0), BATCHES[0])
         if not runs:  # the loss without dropout, of the reference run's (N = 1) initial params
@@ -248,7 +248,7 @@ def norm_reference():
 
 
 @pytest.mark.parametrize("stage, replica", sweep([(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)],
-                                                  quick=[(1, 1), (3, 2)]))
+                                                  quick=[(3, 2)]))
 def test_global_batch_statistics_match_one_device(stage, replica):
     mesh = zj.make_mesh(data=4 // replica, replica=replica)
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), opt(), mesh, zj.ZeroConfig(stage=stage))
@@ -262,13 +262,21 @@ def test_global_batch_statistics_match_one_device(stage, replica):
     np.testing.assert_allclose(got["var"], ms["var"], rtol=RTOL, atol=1e-6)
 
 
-def test_per_device_statistics_are_averaged_and_evaluate_reads_them(tmp_path):
-    eng = engine(Norm(), n=4, stage=3)
+@functools.cache
+def per_device_run():
+    """(engine, state, batch, initial w) of `Norm()` without batch axes after one stage-3 step
+    on a replica 2 x data 2 mesh."""
+    eng = zj.Engine(Norm(), opt(), zj.make_mesh(data=2, replica=2), zj.ZeroConfig(stage=3))
     b = BATCHES[0]
     state = eng.init(jax.random.key(0), b)
     w = np.asarray(eng.params(state)["w"])
     state, _ = eng.step(state, b)
-    h = (b["x"] @ w).reshape(4, 4, 4)  # [device, row, feature]
+    return eng, state, b, w
+
+
+def test_per_device_statistics_are_averaged_and_evaluate_reads_them(tmp_path):
+    eng, state, b, w = per_device_run()
+    h = (b["x"] @ w).reshape(4, 4, 4)  # [device (replica-major), row, feature]
     mu, var = h.mean(1), np.square(h).mean(1) - np.square(h.mean(1))
     ms = eng.model_state(state)
     np.testing.assert_allclose(ms["mean"], 0.1 * mu.mean(0), rtol=1e-5, atol=1e-7)
@@ -415,12 +423,7 @@ def test_a_skipped_fp16_step_leaves_the_model_state_as_it_was():
 def test_per_device_statistics_are_averaged_over_replica_and_data():
     """Without batch axes in the model, each device's statistics are its own; on a replica ×
     data mesh the step averages them over both axes (and traces: the state is replicated)."""
-    mesh = zj.make_mesh(data=2, replica=2)
-    eng = zj.Engine(Norm(), opt(), mesh, zj.ZeroConfig(stage=3))
-    b = BATCHES[0]
-    state = eng.init(jax.random.key(0), b)
-    w = np.asarray(eng.params(state)["w"])
-    state, _ = eng.step(state, b)
+    eng, state, b, w = per_device_run()
     h = (b["x"] @ w).reshape(4, 4, 4)  # [device (replica-major), row, feature]
     mu, var = h.mean(1), np.square(h).mean(1) - np.square(h.mean(1))
     assert np.abs(mu[:2].mean(0) - mu[2:].mean(0)).max() > 1e-2  # the replicas differ
