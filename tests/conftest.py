@@ -33,11 +33,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # hands files out in collection order, so the short ones come last and even out the two
 # workers' finish. Tiers: the README's command runs every test but the `slow` ones (end-to-end
 # runs, the rest of each sweep: `helpers.sweep`); CI also runs `pytest -m slow`.
-LONGEST_FIRST = ("test_adapters.py", "test_zeropp.py", "test_published.py", "test_planning.py",
-                 "test_train.py", "test_compiled.py", "test_engine.py", "test_offload.py",
-                 "test_optimizers_sharded.py", "test_optimizer_costs.py", "test_measure.py",
-                 "test_model_axis.py", "test_checkpoint.py", "test_state.py", "test_models.py",
-                 "test_scripts.py", "test_parity.py", "test_optimizers.py")
+LONGEST_FIRST = ("test_adapters.py", "test_zeropp.py", "test_planning.py", "test_compiled.py",
+                 "test_offload.py", "test_optimizers_sharded.py", "test_train.py",
+                 "test_optimizer_costs.py", "test_checkpoint.py", "test_parity.py",
+                 "test_published.py", "test_model_axis.py", "test_measure.py", "test_scripts.py",
+                 "test_state.py", "test_optimizers.py", "test_engine.py", "test_models.py")
 SLOW_LONGEST_FIRST = ("test_train.py", "test_model_axis.py", "test_tp_styles.py", "test_kills.py",
                       "test_bench.py", "test_delayed.py", "test_parity.py",
                       "test_optimizers_sharded.py", "test_checkpoint.py", "test_optimizers.py",

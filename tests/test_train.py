@@ -528,6 +528,7 @@ def test_float16_logs_the_loss_scale_and_skipped_steps(tmp_path, tokens64, monke
         assert tb[tag] == logged(tmp_path)[tag]
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_with_one_line(tmp_path, tokens64, capsys, monkeypatch):
     """The save of step 4 fails for lack of space (found when step 6 saves): one line naming
     the directory, its free space and the last good step; step 2 is intact."""
