@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import sweep
+from helpers import reference_run, sweep
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -319,18 +319,7 @@ def test_an_optimizer_that_needs_the_loss_function_is_refused_by_name():
 def test_multisteps_as_users_write_it():
     """optax.MultiSteps itself (not its .gradient_transformation()) is accepted and exact."""
     bs = tiny_batches(4)
-    tx = optax.MultiSteps(optax.adam(0.1), 2)
-
-    @jax.jit
-    def ref_step(params, state, b):
-        g = jax.grad(lambda p: Tiny().loss(p, b, PlainUnits()))(params)
-        u, state = tx.update(g, state, params)
-        return optax.apply_updates(params, u), state
-
-    params = jax.jit(Tiny().init)(jax.random.key(0))
-    state = jax.jit(tx.init)(params)
-    for b in bs:
-        params, state = ref_step(params, state, b)
+    _, params = reference_run(Tiny(), optax.MultiSteps(optax.adam(0.1), 2), bs, clip=None)
     engine = zj.Engine(Tiny(), optax.MultiSteps(optax.adam(0.1), 2), zj.make_mesh(data=2),
                        zj.ZeroConfig(stage=3))
     st = engine.init(jax.random.key(0), bs[0])

@@ -5,7 +5,7 @@ every optimizer, the numbers of single-device optax (test_optimizers.py has stag
 
 import optimizer_table as table
 import pytest
-from helpers import sweep
+from helpers import reference_run, sweep
 
 
 @pytest.mark.parametrize("bundle", range(len(table.BUNDLES)))
@@ -63,10 +63,8 @@ def test_muon_on_data_by_model_matches_single_device_optax():
     model-axis runs (slow) check for every optimizer."""
     import jax
     import numpy as np
-    import optax
 
     import zerojax as zj
-    from zerojax.units import PlainUnits
 
     class OneMatrix(table.Bundle):  # the matrix alone: no scanned stack to compile
         def init(self, rng):
@@ -78,17 +76,8 @@ def test_muon_on_data_by_model_matches_single_device_optax():
 
     model, tx = OneMatrix(["muon"], split=True), table.bundled(["muon"])
     bs = table.batches()[:2]
-    @jax.jit
-    def ref_step(params, opt, b):
-        loss, g = jax.value_and_grad(lambda p: model.loss(p, b, PlainUnits()))(params)
-        u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt, loss
-
-    params = start = jax.jit(model.init)(jax.random.key(0))
-    opt, ref_losses = jax.jit(tx.init)(params), []
-    for b in bs:
-        params, opt, loss = ref_step(params, opt, b)
-        ref_losses.append(float(loss))
+    ref_losses, params = reference_run(model, tx, bs, clip=None)
+    start = jax.jit(model.init)(jax.random.key(0))
     engine = zj.Engine(model, tx, zj.make_mesh(data=4, model=2), zj.ZeroConfig(stage=3))
     state = engine.init(jax.random.key(0), bs[0])
     losses = []
