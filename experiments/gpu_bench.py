@@ -233,11 +233,23 @@ def _host_memory() -> int:
 
 
 def _device_memory(out: Path) -> float | None:
+    """The device's memory for the planner's first guess: what XLA's allocator reported to this
+    run's bench part, else the GPU's total from `nvidia-smi` times the memory fraction the
+    probes run with (`--parts largest` alone; this process never starts a device backend),
+    else None (the search starts at the smallest shape)."""
     for part in ("bench", "overlap"):
         path = out / f"{part}.json"
         if path.exists():
             return json.loads(path.read_text())["machine"].get("device_memory_bytes")
-    return None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    totals = [float(v) for v in smi.stdout.split() if v.replace(".", "", 1).isdigit()]
+    if smi.returncode or not totals:
+        return None
+    return min(totals) * 2**20 * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
 
 
 # ---------------------------------------------------------------------------------- report
