@@ -2,6 +2,7 @@
 numbers against single-device optax (the GPU figures are in docs/performance.md)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import jax
@@ -85,3 +86,36 @@ def test_the_split_update_matches_single_device_optax(delayed, compute, steps):
     if delayed:  # the last gradient is pending, not applied: one update behind the plain run
         plain, _, _ = _reference(mod, model, params, batch, steps, CLIP, False, compute)
         assert dist(got, plain) > 1e-2 * moved
+
+
+def test_offload_overlap_reports_every_form_and_updates_as_optax(tmp_path):
+    """experiments/offload_overlap.py on CPU: every form of the host update, both call orders
+    and the transfers reported; its sliced update is AdamW's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import offload_overlap as ov
+
+    out = tmp_path / "overlap.json"
+    res = ov.main(["--params", "4096", "--slices", "1", "2", "--repeats", "1", "--in-step", "0",
+                   "--device-seconds", "0.001", "--device-size", "16", "--out", str(out)])
+    assert set(res["host_update"]) == {"1 slice(s), dispatch", "2 slice(s), dispatch",
+                                       "2 slice(s), threads"}
+    for r in res["host_update"].values():
+        assert r["GBps"] > 0 and r["state_GB"] >= 0
+    o = res["overlap"]
+    assert o["sum_ms"] == pytest.approx(o["device_ms"] + o["host_ms"])
+    assert min(o["device_first_ms"], o["host_first_ms"], o["device_dispatch_ms"]) > 0
+    assert set(res["transfer_GBps"]) == {"device -> CPU backend", "CPU backend -> device"}
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    upd = ov.HostUpdate(10, 2, tx)
+    upd.run("threads")
+    upd.run("dispatch")
+    master, state = jnp.zeros(10), tx.init(jnp.zeros(10))
+    for _ in range(2):
+        u, state = tx.update(jnp.full(10, 1e-3, jnp.bfloat16).astype(jnp.float32), state, master)
+        master = optax.apply_updates(master, u)
+    assert float(jnp.abs(master).min()) > 0
+    np.testing.assert_allclose(np.concatenate([np.asarray(m) for m in upd.master]), master,
+                               rtol=1e-6)
