@@ -15,7 +15,7 @@ ZeRO-Offload's host update runs on a GPU machine, in one process:
    back, and device -> pinned host memory of the device's own client;
 5. `np.copyto` of the update's bytes on every core, the bandwidth the update is measured against.
 
-    python experiments/offload_overlap.py --params 1e9 --out runs/overlap.json
+    .venv/bin/python experiments/offload_overlap.py --params 1e9 --out runs/overlap.json
 """
 
 from __future__ import annotations

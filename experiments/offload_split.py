@@ -21,7 +21,7 @@ AdamW is elementwise, so its update over flat slices is its update over the tree
 optimizer that reads a whole leaf or the whole tree (LAMB's norms, Muon's matrices) needs the
 engine's program split (`zerojax.update`), which this prototype does not have.
 
-    python experiments/offload_split.py --preset 1b --batch 8 --slices 15 --delayed
+    .venv/bin/python experiments/offload_split.py --preset 1b --batch 8 --slices 15 --delayed
 """
 
 from __future__ import annotations
