@@ -13,15 +13,16 @@ slices, each called from a thread of its own. So one step here is:
    backend's memory; the new compute-dtype slice out;
 4. the new slices go up to the device.
 
-With `--delayed` (DeepSpeed's delayed parameter update), step t's gradient is taken at the
-params before step t-1's update while the host computes that update: the host update is
-started first, from its threads, then the device program.
+The run times both forms: the step above, and the delayed one (DeepSpeed's delayed parameter
+update), where step t's gradient is taken at the params before step t-1's update while the
+host computes that update: the host update is started first, from its threads, then the
+device program. Then plain optax on the same batch, for the ratio.
 
 AdamW is elementwise, so its update over flat slices is its update over the tree; an
 optimizer that reads a whole leaf or the whole tree (LAMB's norms, Muon's matrices) needs the
 engine's program split (`zerojax.update`), which this prototype does not have.
 
-    .venv/bin/python experiments/offload_split.py --preset 1b --batch 8 --slices 15 --delayed
+    .venv/bin/python experiments/offload_split.py --preset 1b --batch 8 --slices 15 --out runs/split.json
 """
 
 from __future__ import annotations
