@@ -289,14 +289,16 @@ def _load_gpu_bench():
 def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     # The GPU command on 2 simulated CPU devices: plain optax (GSPMD at N = 2) and stage 3,
     # without and with the overlap flags, and the largest-shape search over one tiny shape.
+    # The probes take the bench parts' batch (4, not the default one sequence per device):
+    # the same programs, loaded from the compilation cache instead of compiled again.
     fast = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast,
            "PYTHON": sys.executable}
     cmd = [str(ROOT / "scripts" / "gpu_bench.sh"), "--out", str(tmp_path), "--preset", "test",
            "--devices", "2", "--batch", "4", "--repeats", "5", "--steps-per-repeat", "1",
            "--variants", "stage3", "stage3_offload", "--largest-variants", "stage3",
-           "stage3_offload", "--largest-shapes", "test", "--update-params", "1e5",
-           "--pinned-limit-gb", "7"]
+           "stage3_offload", "--largest-shapes", "test", "--largest-batch", "4",
+           "--update-params", "1e5", "--pinned-limit-gb", "7"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "gpu_bench.json").read_text())

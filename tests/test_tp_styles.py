@@ -7,6 +7,7 @@ its hints are the identity. Every hint or annotation naming an axis that nothing
 ModelError line, raised while tracing (no compile).
 """
 
+import functools
 import re
 
 import flax.linen as nn
@@ -74,14 +75,14 @@ def explicit_lm():
         return ExplicitLM(rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize(("mesh", "stage"), sweep(
-    [("4x2", 3), ("4x2", 1), ("8", 3), ("8", 1)], quick=[]))
-def test_explicit_sharding_model_trains_unmodified(mesh, stage):
-    net = explicit_lm()
-    params, loss = nnx_plain(net)
+@functools.cache
+def explicit_reference():
+    """(initial params, losses, final params) of single-device optax on the explicit-sharding
+    model, the model under a one-device mesh of its own names (the whole step one program:
+    eager updates on an explicit mesh compile op by op). Computed once: every mesh and stage
+    trains to it."""
+    params, loss = nnx_plain(explicit_lm())
     batches = token_batches()
-    # The reference: single-device optax, the model under a one-device mesh of its own names
-    # (the whole step one program: eager updates on an explicit mesh compile op by op).
     one = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=EXPLICIT, devices=jax.devices()[:1])
     tx = clipped()
 
@@ -97,6 +98,17 @@ def test_explicit_sharding_model_trains_unmodified(mesh, stage):
         for b in batches:
             want, opt, loss_value = step(want, opt, b)
             want_losses.append(float(loss_value))
+    return params, want_losses, jax.device_get(want)
+
+
+@pytest.mark.parametrize(("mesh", "stage"), sweep(
+    [("4x2", 3), ("4x2", 1), ("8", 3), ("8", 1)], quick=[]))
+def test_explicit_sharding_model_trains_unmodified(mesh, stage):
+    net = explicit_lm()
+    params, _ = nnx_plain(net)
+    batches = token_batches()
+    start, want_losses, want = explicit_reference()
+    assert_tree_close(start, params, rtol=0)  # the reference started from these params
     model = zj.from_nnx(net, lambda m, b: xent(m(b["x"]), b), logical_axis_rules=EXPLICIT_RULES)
     engine = zj.Engine(model, clipped(), zj.make_mesh(**MESHES[mesh]), zj.ZeroConfig(stage=stage))
     state = engine.init(jax.random.key(0), batches[0])
@@ -202,7 +214,8 @@ def zoo(name, shapes_only=False):
         net = LinenZoo()
         model = zj.from_linen(net, lambda apply, b: xent(apply(b["x"]), b),
                               (jnp.zeros((1, T), jnp.int32),), logical_axis_rules=ZOO_RULES)
-        return model, lambda: model.init(jax.random.key(0)), \
+        # jitted: one program, not flax's init op by op
+        return model, lambda: jax.jit(model.init)(jax.random.key(0)), \
             lambda p, b: xent(net.apply({"params": p}, b["x"]), b)
     if shapes_only:
         net = abstract(lambda: NNXZoo(nnx.Rngs(0)))
