@@ -460,3 +460,22 @@ def test_update_bench_counts_the_bytes_and_times_every_form():
         assert r["bytes_per_s"] == pytest.approx(res["bytes_per_update"] / r["median_s"])
         assert r["ratio_to_copy"] == pytest.approx(r["bytes_per_s"] / best)
     assert "offloaded AdamW update of 4,096 params" in update_bench.table(res)
+
+
+def test_gpu_bench_largest_alone_reads_the_device_memory_from_nvidia_smi(tmp_path,
+                                                                          monkeypatch):
+    """`--parts largest` without a bench part in the directory: the planner's device memory
+    is nvidia-smi's total times the probes' memory fraction; without nvidia-smi, unknown."""
+    gb = _load_gpu_bench()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert gb._device_memory(tmp_path) == pytest.approx(81559 * 2**20 * 0.95)
+    (tmp_path / "bench.json").write_text(json.dumps({"machine": {"device_memory_bytes": 7.0}}))
+    assert gb._device_memory(tmp_path) == 7.0  # the bench part's figure first
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert gb._device_memory(tmp_path / "elsewhere") is None
