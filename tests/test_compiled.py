@@ -23,9 +23,15 @@ from zerojax.models import GPT, PRESETS, GPTConfig
 N, BATCH = 8, 8
 
 
-@functools.cache
 def compiled(stage, layers=8, grad_accum=1, prefetch=False, micro=BATCH, remat=True,
              seq_len=PRESETS["small8"].seq_len):
+    """(engine, compiled step); one per program: `compiled(3)` and `compiled(3, layers=8)`
+    share theirs (the cache is keyed on every argument, defaults filled in)."""
+    return _compiled(stage, layers, grad_accum, prefetch, micro, remat, seq_len)
+
+
+@functools.cache
+def _compiled(stage, layers, grad_accum, prefetch, micro, remat, seq_len):
     cfg = GPTConfig(**{**PRESETS["small8"].__dict__, "n_layers": layers, "seq_len": seq_len})
     engine = zj.Engine(GPT(cfg), optax.adamw(1e-3), zj.make_mesh(data=N),
                        zj.ZeroConfig(stage=stage, grad_accum=grad_accum, prefetch=prefetch,

@@ -61,6 +61,12 @@ def gpt_reference(heads=4):
     return batches, losses, reference_run.norms, params
 
 
+@functools.cache
+def plain_loss():
+    """The GPT's loss, jitted once for host params (one program for every mesh's run)."""
+    return jax.jit(gpt().loss, static_argnums=2)
+
+
 def assert_parity(engine, heads=4):
     batches, ref_losses, ref_norms, ref_params = gpt_reference(heads)
     losses, params, state = engine_run(engine, batches)
@@ -87,7 +93,7 @@ def test_gpt_matches_single_device_optax(mesh, stage):
         assert state.master["blocks"]["mlp"]["fc"]["kernel"].shape == (2, 2, 1026)
     # evaluate: the mean loss of a batch, as plain jax computes it
     batch = gpt_batch(gpt().cfg, BATCH, 99)
-    want = jax.jit(gpt().loss, static_argnums=2)(engine.params(state), batch, PlainUnits())
+    want = plain_loss()(jax.device_get(engine.params(state)), batch, PlainUnits())
     np.testing.assert_allclose(float(engine.evaluate(state, batch)["loss"]), float(want),
                                rtol=1e-5)
 
@@ -318,25 +324,43 @@ def test_rounded_features_track_the_fp32_reference(variant):
 # Checkpoints stay logical: restore on another data x model split, stage, or none
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """The run every restore below continues, made once: stage 3 on data 4 x model 2, saved
+    after 3 of the 8 steps (the checkpoint's directory), and its params after all 8."""
+    out = {}
+
+    def get():
+        if not out:
+            batches, _, _, _ = gpt_reference()
+            directory = tmp_path_factory.mktemp("model-axis-ckpt")
+            saved = zj.Engine(gpt(), clipped(), zj.make_mesh(data=4, model=2),
+                              zj.ZeroConfig(stage=3))
+            state = saved.init(jax.random.key(0), batches[0])
+            for b in batches[:3]:
+                state, _ = saved.step(state, b)
+            saved.save(state, directory)
+            for b in batches[3:]:
+                state, _ = saved.step(state, b)
+            out.update(directory=directory, params=jax.device_get(saved.params(state)))
+        return out["directory"], out["params"]
+
+    return get
+
+
 @pytest.mark.parametrize(("mesh", "stage"), sweep(
     [("2x4", 1), ("8", 3), ("1", 0), ("2x2x2", 2)], quick=[]))
-def test_restore_on_another_model_axis_trains_on_as_uninterrupted(tmp_path, mesh, stage):
+def test_restore_on_another_model_axis_trains_on_as_uninterrupted(saved_run, mesh, stage):
     meshes = {"2x4": dict(data=2, model=4), "8": dict(data=8),
               "1": dict(data=1, devices=jax.devices()[:1]), "2x2x2": MESHES["2x2x2"]}
     batches, _, _, _ = gpt_reference()
-    saved = zj.Engine(gpt(), clipped(), zj.make_mesh(data=4, model=2), zj.ZeroConfig(stage=3))
-    state = saved.init(jax.random.key(0), batches[0])
-    for b in batches[:3]:
-        state, _ = saved.step(state, b)
-    saved.save(state, tmp_path)
-    for b in batches[3:]:
-        state, _ = saved.step(state, b)
+    directory, want = saved_run()
     engine = zj.Engine(gpt(), clipped(), zj.make_mesh(**meshes[mesh]),
                        zj.ZeroConfig(stage=stage))
-    restored = engine.restore(tmp_path)
+    restored = engine.restore(directory)
     for b in batches[3:]:
         restored, _ = engine.step(restored, b)
-    assert_tree_close(engine.params(restored), saved.params(state), rtol=RTOL, atol=ATOL)
+    assert_tree_close(engine.params(restored), want, rtol=RTOL, atol=ATOL)
 
 
 # ---------------------------------------------------------------------------------------------

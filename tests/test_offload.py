@@ -425,11 +425,12 @@ def test_a_unit_used_again_keeps_the_transfer_after_the_backward(stage, again):
     own: a unit's gradient is complete only after all its uses, so the step sends it after the
     backward as before (`units.UnitReused`), with the offload-free run's numbers bitwise."""
     batches = [STACK_BATCH] * 3
-    (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(
-        Stack(again), optax.adam(1e-2), zj.make_mesh(data=2), batches, stage=stage)
-    eng = zj.Engine(Stack(again), optax.adam(1e-2), zj.make_mesh(data=2),
-                    zj.ZeroConfig(stage=stage, offload="optimizer"))
-    eng.init(jax.random.key(0), STACK_BATCH)
+    mesh = zj.make_mesh(data=2)
+    eng0, eng = (zj.Engine(Stack(again), optax.adam(1e-2), mesh,
+                           zj.ZeroConfig(stage=stage, offload=offload))
+                 for offload in (None, "optimizer"))
+    # the offloaded run's own engine: its plan, and its step lowered for CUDA
+    (l0, n0, p0, _), (l1, n1, p1, state) = runs([eng0, eng], batches)
     assert per_unit(eng.plan)
     loops = _loop_bodies(_cuda_step(eng))
     assert loops and not any(re.findall(TO_HOST, body) for body in loops)
@@ -453,7 +454,7 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     mesh = zj.make_mesh(data=4)
     eng = zj.Engine(model, adamw(), mesh, zj.ZeroConfig(stage=stage, offload="optimizer",
                                                         **wire))
-    eng.init(jax.random.key(0), batches[0])
+    learn_units(eng, batches[0])  # the plan, as init learns it (its program is not needed)
     assert per_unit(eng.plan) == inside
     (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(model, adamw(), mesh, batches,
                                                         stage=stage, clip_norm=CLIP, **wire)
