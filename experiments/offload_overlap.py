@@ -256,10 +256,15 @@ def main(argv=None) -> dict:
         res["in_step_update"] = {k: {"GBps": v["bytes_per_s"] / 1e9, "ms": v["median_s"] * 1e3}
                                  for k, v in r["update"].items()}
         print("in-step", res["in_step_update"], flush=True)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1))
+    write_json(a.out, res)
     return res
+
+
+def write_json(path: Path | None, res: dict) -> None:
+    """`res` as JSON at `path` (its folder made), when a path is given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ AdamW is elementwise, so its update over flat slices is its update over the tree
 optimizer that reads a whole leaf or the whole tree (LAMB's norms, Muon's matrices) needs the
 engine's program split (`zerojax.update`), which this prototype does not have.
 
-    .venv/bin/python experiments/offload_split.py --preset 1b --batch 8 --slices 15 --out runs/split.json
+    .venv/bin/python experiments/offload_split.py --preset 1b --slices 15 --out runs/split.json
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
-from offload_overlap import peak, reset_peak, rss  # noqa: E402
+from offload_overlap import peak, reset_peak, rss, write_json  # noqa: E402
 
 from zerojax.models import GPT  # noqa: E402
 from zerojax.units import PlainUnits  # noqa: E402
@@ -213,10 +213,8 @@ def main(argv=None) -> dict:
     res["plain optax"] = {"median_ms": t * 1e3, "losses": losses}
     for mode in ("split", "split, delayed"):
         res[mode]["x_plain"] = res[mode]["median_ms"] / res["plain optax"]["median_ms"]
-    print(json.dumps({k: v for k, v in res.items()}, indent=1), flush=True)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1), flush=True)
+    write_json(a.out, res)
     return res
 
 
