@@ -327,25 +327,17 @@ def test_rounded_features_track_the_fp32_reference(variant):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """The run every restore below continues, made once: stage 3 on data 4 x model 2, saved
-    after 3 of the 8 steps (the checkpoint's directory), and its params after all 8."""
-    out = {}
-
-    def get():
-        if not out:
-            batches, _, _, _ = gpt_reference()
-            directory = tmp_path_factory.mktemp("model-axis-ckpt")
-            saved = zj.Engine(gpt(), clipped(), zj.make_mesh(data=4, model=2),
-                              zj.ZeroConfig(stage=3))
-            state = saved.init(jax.random.key(0), batches[0])
-            for b in batches[:3]:
-                state, _ = saved.step(state, b)
-            saved.save(state, directory)
-            for b in batches[3:]:
-                state, _ = saved.step(state, b)
-            out.update(directory=directory, params=jax.device_get(saved.params(state)))
-        return out["directory"], out["params"]
-
-    return get
+    after 3 of the 8 steps: (the checkpoint's directory, its params after all 8)."""
+    batches, _, _, _ = gpt_reference()
+    directory = tmp_path_factory.mktemp("model-axis-ckpt")
+    saved = zj.Engine(gpt(), clipped(), zj.make_mesh(data=4, model=2), zj.ZeroConfig(stage=3))
+    state = saved.init(jax.random.key(0), batches[0])
+    for b in batches[:3]:
+        state, _ = saved.step(state, b)
+    saved.save(state, directory)
+    for b in batches[3:]:
+        state, _ = saved.step(state, b)
+    return directory, jax.device_get(saved.params(state))
 
 
 @pytest.mark.parametrize(("mesh", "stage"), sweep(
@@ -354,7 +346,7 @@ def test_restore_on_another_model_axis_trains_on_as_uninterrupted(saved_run, mes
     meshes = {"2x4": dict(data=2, model=4), "8": dict(data=8),
               "1": dict(data=1, devices=jax.devices()[:1]), "2x2x2": MESHES["2x2x2"]}
     batches, _, _, _ = gpt_reference()
-    directory, want = saved_run()
+    directory, want = saved_run
     engine = zj.Engine(gpt(), clipped(), zj.make_mesh(**meshes[mesh]),
                        zj.ZeroConfig(stage=stage))
     restored = engine.restore(directory)
