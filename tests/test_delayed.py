@@ -262,7 +262,7 @@ def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     pending = state.pending.grads
     state, _ = eng.step(state, BATCHES[1])  # step 1: delayed
     assert [c for c, _ in calls] == ["_update_fn", "_grads_fn"]
-    assert calls[0][1][0][0] is pending  # the update of the state's pending gradient
+    assert calls[0][1][3] is pending  # the update of the state's pending gradient
 
 
 @pytest.mark.parametrize("cfg, match", [

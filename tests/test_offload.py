@@ -148,7 +148,7 @@ def test_the_devices_program_holds_no_host_state():
     args = jax.tree.leaves(low.args_info[0][0])
     assert len(args) == len(jax.tree.leaves(state)) - len(jax.tree.leaves(eng.host_part(state)))
     assert 'mhlo.memory_kind = "pinned_host"' in low.as_text()
-    host = jax.tree.leaves(eng.lower_host_update().args_info[0][1:])  # master, optimizer state
+    host = jax.tree.leaves(eng.lower_host_update().args_info[0][1:3])  # master, optimizer state
     assert len(host) == len(jax.tree.leaves((state.opt_state, state.master)))
 
 
@@ -196,6 +196,48 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
     assert int(again.step) == 3
     again, m = back.step(again, batches[0])
     assert np.isfinite(float(m["loss"]))
+
+
+def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
+    """On a GPU the host mesh is the host's CPU devices, apart from the mesh. Here CPU devices
+    4-7 stand in for them beside a mesh on 0-3, so every program meets only its own mesh's
+    arrays and every move between the two is a real copy: delayed steps, evaluate, params, the
+    optimizer state, the startup table's bytes, a save and its restores give the numbers of
+    the run whose host mesh is the mesh itself."""
+    from jax.sharding import Mesh
+
+    import zerojax.update.host as host
+    from zerojax.app.report import state_bytes_split
+
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    cfg = zj.ZeroConfig(stage=2, clip_norm=CLIP, offload="optimizer", delayed_update=1)
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(4)]
+    same = zj.Engine(tiny_gpt(), adamw(), mesh, cfg)
+    twin = lambda m: Mesh(np.array(devices[4:8]).reshape(m.devices.shape), m.axis_names,
+                          axis_types=m.axis_types)
+    monkeypatch.setattr(host, "host_mesh", twin)
+    apart = zj.Engine(tiny_gpt(), adamw(), mesh, cfg)
+    assert set(apart.host_mesh.devices.flat) == set(devices[4:8])
+    (l0, n0, p0, s0), (l1, n1, p1, s1) = runs([same, apart], batches[:3])
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(n1, n0)
+    assert_bitwise(p1, p0)
+    assert_placement(apart, s1)
+    assert kinds(p1) == {DEVICE} and {x.sharding.mesh for x in jax.tree.leaves(p1)} == {mesh}
+    assert_bitwise(apart.optimizer_state(s1), same.optimizer_state(s0))
+    assert float(apart.evaluate(s1, batches[3])["loss"]) == \
+        float(same.evaluate(s0, batches[3])["loss"])
+    total, hosted = state_bytes_split(apart, s1, devices[0])
+    assert (total, hosted) == state_bytes_split(same, s0, devices[0]) and 0 < hosted < total
+    apart.save(s1, tmp_path)
+    back = apart.restore(tmp_path)
+    assert_placement(apart, back)
+    assert_bitwise(apart.params(back), p1)
+    s0, m0 = same.step(same.restore(tmp_path), batches[3])
+    back, m1 = apart.step(back, batches[3])
+    assert float(m1["loss"]) == float(m0["loss"])
+    assert_bitwise(apart.params(back), same.params(s0))
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -261,13 +303,15 @@ def _allocations(dump):
     return out
 
 
-@pytest.mark.parametrize("donate", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
+@pytest.mark.parametrize("donate, delayed", [(True, False), (True, True),
+                                             pytest.param(False, False, marks=pytest.mark.slow)])
+def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate, delayed):
     """The master and moments are donated, and the host's update program writes their new
     values into the same buffers: every host-state argument aliases its output, no copy of
     one is made, and XLA's buffer assignment holds the update's result in the argument's own
     buffer (so the host never holds a second master or moment). Without donation each check
-    fails."""
+    fails. A delayed update (or dynamic loss scaling) skips the update of a step that has
+    none: a branch, which runs in place too, where a select would keep the old moments."""
     if not donate:
         jit = jax.jit
         monkeypatch.setattr(jax, "jit", lambda f, donate_argnums=(), **kw: jit(f, **kw))
@@ -275,14 +319,16 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
     # step, not when the step is loaded from a persistent compilation cache.
     lr = 1e-3 * (1 + (time.time_ns() % 997) * 1e-6)
     eng = zj.Engine(Flat(1 << 12), optax.adamw(lr, weight_decay=0.1), zj.make_mesh(data=2),
-                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer"))
+                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer",
+                                  delayed_update=1 if delayed else None))
     batch = {"x": np.ones((4, 8), np.float32)}
     learn_units(eng, batch)
     low = eng.lower_host_update()
     compiled = low.compile({"xla_dump_to": str(tmp_path), **DEFAULT_BUFFERS})
     alias, params = _entry(compiled.as_text())
-    grads = len(jax.tree.leaves(low.args_info[0][0]))  # the gradient and its scalars
-    host = set(range(grads, len(params)))  # the master, then the optimizer state
+    # The arguments: the gradient's scalars, the master, the optimizer state, the gradient.
+    scalars, grads = len(jax.tree.leaves(low.args_info[0][0])), len(params) - 1
+    host = set(range(scalars, grads))
     assert len(host) == len(jax.tree.leaves((eng.abstract_state().master,
                                              eng.abstract_state().opt_state)))
     names = re.findall(r"ENTRY %\S+ \((.*?)\) ->", compiled.as_text())[0]
@@ -292,11 +338,14 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
     big = {i for i in host if "[" in params[i] and "[]" not in params[i]}  # master, mu, nu
     assert len(big) == 3
     if donate:
-        assert set(alias.values()) == host  # each state argument's buffer is an output's
+        # each state argument's buffer is an output's; the gradient's (bf16 like the compute
+        # params) takes the shards that go back to the device, the last output
+        assert set(alias.values()) == host | {grads} and alias[max(alias)] == grads
         assert not copied
-        # the argument, its update inside the branch of a finite step, the branch's result
-        assert all(len(in_place[i]) == 3 and in_place[i][2].startswith("conditional")
-                   for i in big), in_place
+        # the argument and its update (with a flag, inside the branch that runs it, and the
+        # branch's result)
+        assert all(len(in_place[i]) == (3 if delayed else 2) for i in big), in_place
+        assert all(in_place[i][-1].startswith("conditional") == delayed for i in big)
     else:
         assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
 

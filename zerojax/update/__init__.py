@@ -76,11 +76,21 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
     `reduced`: (summed gradients, their divisor, the global norm, the finite flag of dynamic
     loss scaling or None, the global loss)."""
     grads, denom, norm, finite, value = reduced
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
-    if how.clip_norm is not None:
-        c = jnp.float32(how.clip_norm)
-        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
-        grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
+    if how.out_dtype is not None:
+        # Offloaded: one scale a gradient element, multiplied where it is read. XLA keeps a
+        # divide's result in a buffer of its own when several fusions read it (the moments',
+        # the master's): a float32 gradient beside the host state.
+        scale = 1 / denom
+        if how.clip_norm is not None:
+            c = jnp.float32(how.clip_norm)
+            scale = jnp.where(norm < c, scale, scale / norm * c)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
+    else:
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
+        if how.clip_norm is not None:
+            c = jnp.float32(how.clip_norm)
+            # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
+            grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
     kw = {"value": value} if how.extra else {}
 
     def update(master, opt_state):

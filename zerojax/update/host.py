@@ -123,30 +123,36 @@ class HostOffload:
 
         return self._cached("grads", build)
 
-    def _update_fn(self, donate: bool):
+    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False):
+        """`(scalars, master, optimizer state, gradient) -> (master, optimizer state, shards,
+        {"lr"?})`. `finite`: whether the scalars hold a flag that skips the update (dynamic
+        loss scaling's, or a pending update's `ok`); `donate`: the master and optimizer state
+        donated, and with `grads_too` the gradient, whose buffer then takes the shards."""
         eng = self.engine
 
         def build():
             _, reduced, shards, full = self._specs()
             specs = eng._manual_specs()
 
-            def body(plan, reduced, master, opt_state):
-                master, opt_state, shards = plan.update(reduced, opt_state, master)
+            def body(plan, scalars, master, opt_state, grads):
+                master, opt_state, shards = plan.update((grads, *scalars), opt_state, master)
                 lr = learning_rate(opt_state)
                 return master, opt_state, shards, ({} if lr is None else {"lr": lr})
 
-            reduced = (*reduced[:3], P(), P())  # the finite flag: always one (a pending `ok`)
+            scalars = (*reduced[1:3], P() if finite else None, P())
             fn = jax.shard_map(partial(body, eng.plan), mesh=self.mesh,
-                               in_specs=(reduced, specs.master, specs.opt_state),
+                               in_specs=(scalars, specs.master, specs.opt_state, reduced[0]),
                                out_specs=(specs.master, specs.opt_state, shards, P()),
                                axis_names=frozenset(eng.axes), check_vma=True)
             # Donated in the order of the outputs: jax pairs a donated buffer with the first
-            # output of its shape and dtype, so master -> master and each moment to its own.
-            return jax.jit(fn, donate_argnums=(1, 2) if donate else (), keep_unused=True,
+            # output of its shape and dtype, so master -> master, each moment to its own and
+            # the gradient to the shards.
+            donated = ((1, 2, 3) if grads_too else (1, 2)) if donate else ()
+            return jax.jit(fn, donate_argnums=donated, keep_unused=True,
                            out_shardings=(self.shardings(full.master),
                                           self.shardings(full.opt_state), None, None))
 
-        return self._cached(("update", donate), build)
+        return self._cached(("update", donate, finite, grads_too), build)
 
     def _refresh_fn(self, donate: bool):
         eng = self.engine
@@ -183,12 +189,13 @@ class HostOffload:
         return jax.device_put(shards, sh)
 
     def _update(self, reduced, state, donate: bool):
-        grads, denom, norm, finite, value = reduced
-        if finite is None:
-            finite = jnp.ones((), jnp.bool_)
-        reduced = (grads, *jax.device_put((denom, norm, finite, value),
-                                          NamedSharding(self.mesh, P())))
-        return self._update_fn(donate)(reduced, state.master, state.opt_state)
+        grads, *scalars = reduced
+        on = NamedSharding(self.mesh, P())
+        scalars = tuple(None if x is None else jax.device_put(x, on) for x in scalars)
+        # The gradient's buffer takes the shards where their dtypes agree.
+        same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
+        fn = self._update_fn(donate, scalars[2] is not None, same)
+        return fn(scalars, state.master, state.opt_state, grads)
 
     def applied(self, state):
         """(master, optimizer state, compute-dtype shards) with the pending update applied
@@ -256,11 +263,16 @@ class HostOffload:
         return self._grads_fn().lower(self.device_part(state), batch)
 
     def lower_update(self, state):
-        """The host's update of an ordinary step, lowered (the state donated)."""
+        """The host's update of a step, lowered (the state donated): of a delayed step with
+        delayed_update, whose update a flag may skip, as dynamic loss scaling's may."""
         specs, mesh = self.engine.state_specs(), self.mesh
         grads = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(
             m.shape, self.engine.plan.rdtype, sharding=NamedSharding(mesh, s)),
             state.master, specs.master, is_leaf=lambda x: isinstance(x, P))
         one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
         reduced = (grads, one(jnp.float32), one(jnp.float32), one(jnp.bool_), one(jnp.float32))
-        return self._update_fn(True).lower(reduced, state.master, state.opt_state)
+        if not (self.engine.config.dynamic_scale or self.k is not None):
+            reduced = (*reduced[:3], None, reduced[4])  # no flag: nothing skips the update
+        same = self.engine.plan.rdtype == self.engine.plan.dtype
+        return self._update_fn(True, reduced[3] is not None, same).lower(
+            reduced[1:], state.master, state.opt_state, reduced[0])
