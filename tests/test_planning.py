@@ -498,7 +498,7 @@ def test_delayed_update_host_bytes_are_the_engines_state():
                 real = eng.init(jax.random.key(0), batch)
                 assert state_bytes_split(eng, real, dev)[1] == host[k]
                 assert state_bytes_per_device(real.pending.grads, dev) == est.pending
-        assert host[0] - host[None] == 4 * psi / 8
+        assert host[0] - host[None] == 4 * psi / 8 + 13  # the pending gradient and scalars
 
 
 def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
