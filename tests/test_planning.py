@@ -564,10 +564,11 @@ def test_measure_command_splits_device_and_host(capsys, keep_xla_flags):
     if engine_offloads():
         assert m["state"]["host"] == pytest.approx(mem["host"], abs=8)
         # The device's program and the host's update are programs of their own: each peak is
-        # its compiled program's. The host's holds its state once (updated in place), beside
-        # the gradient (whose buffer takes the compute shards) and the update's temporaries.
+        # its compiled program's. The host's holds its state once (updated in place) beside the
+        # gradient, whose buffer takes the compute shards (measured: 1.19x the state, the
+        # bf16 gradient being 1/6 of it); ZeRO-Offload's budget is 1.25x.
         assert m["split"] == "measured" and m["device_peak_bytes"] == m["peak_bytes"]
-        assert m["state"]["host"] < m["host_peak_bytes"] < 1.5 * m["state"]["host"]
+        assert m["state"]["host"] < m["host_peak_bytes"] < 1.25 * m["state"]["host"]
     assert measure_main(["--model", "test", "--devices", "8", "--stage", "3", "--offload",
                          "optimizer", "--memory", "1GB"]) == 0
     table = capsys.readouterr().out
