@@ -2,6 +2,7 @@
 update a program of the host's CPU devices, the same numbers as without offload."""
 
 import functools
+import math
 import re
 import sys
 import time
@@ -238,6 +239,37 @@ def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     back, m1 = apart.step(back, batches[3])
     assert float(m1["loss"]) == float(m0["loss"])
     assert_bitwise(apart.params(back), same.params(s0))
+
+
+def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
+    """On a machine of accelerators each device of the mesh gets a CPU device of its process,
+    in the mesh's shape and axes; too few CPU devices is one ConfigError naming the count and
+    the flag that gives more. (Stand-in accelerators: this machine has only CPU devices.)"""
+    from types import SimpleNamespace
+
+    from jax.sharding import AxisType
+
+    from zerojax.update.offload import host_mesh
+
+    cpus = jax.devices("cpu")
+
+    def accelerators(shape):
+        devices = [SimpleNamespace(platform="gpu", process_index=0, id=100 + i)
+                   for i in range(math.prod(shape))]
+        return SimpleNamespace(devices=np.array(devices, dtype=object).reshape(shape),
+                               axis_names=("replica", "data"),
+                               axis_types=(AxisType.Auto, AxisType.Auto))
+
+    twin = host_mesh(accelerators((2, 2)))
+    assert twin.devices.tolist() == [[cpus[0], cpus[1]], [cpus[2], cpus[3]]]
+    assert twin.axis_names == ("replica", "data")
+    mesh = zj.make_mesh(data=4)
+    assert host_mesh(mesh) is mesh  # CPU devices already: the mesh itself
+    n = len(cpus) + 1
+    with pytest.raises(zj.ConfigError, match=rf"process 0 has {n} devices in the mesh but "
+                       rf"{n - 1} CPU device\(s\).*jax_num_cpu_devices', {n}\).*"
+                       rf"xla_force_host_platform_device_count={n}"):
+        host_mesh(accelerators((1, n)))
 
 
 @pytest.mark.parametrize("cfg, match", [

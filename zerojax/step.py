@@ -13,10 +13,10 @@ under hpZ the shards span both axes and stage 3's backward reduces over both.
 The ZeRO++ options change how these collectives travel (`plan.wire`, collectives.py), not
 which ones run.
 
-With `offload="optimizer"` the master shard and the optimizer state are host arrays: the
-reduced gradient shard goes to the host in its reduction dtype, the unscaling, clipping,
-optax update and loss-scale skip run there (`compute_on("device_host")`), and only the new
-compute-dtype shard comes back, so the device never holds fp32 master or moments.
+With `offload="optimizer"` the master shard and the optimizer state live on the host's CPU
+devices and the step is split (update/host.py): `local_grads` and `settle` on the devices,
+the update on the host, `_refresh` on the devices again, so the device never holds fp32
+master or moments.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def host_mesh(mesh: Mesh) -> Mesh:
         cpus = jax.devices("cpu")
     except RuntimeError as e:
         raise ConfigError(f"offload='optimizer' runs the update on the host's CPU devices, and "
-                          f"jax has no CPU backend here ({e})") from None
+                          f"jax has no CPU backend here ({e}); if JAX_PLATFORMS names the "
+                          f"accelerator alone, add cpu (e.g. JAX_PLATFORMS=cuda,cpu)") from None
     by_process = defaultdict(list)
     for c in cpus:
         by_process[c.process_index].append(c)
