@@ -199,6 +199,7 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
     assert np.isfinite(float(m["loss"]))
 
 
+@pytest.mark.slow  # two runs, a save and two restores (~50 CPU s); CI runs it
 def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     """On a GPU the host mesh is the host's CPU devices, apart from the mesh. Here CPU devices
     4-7 stand in for them beside a mesh on 0-3, so every program meets only its own mesh's
