@@ -156,7 +156,8 @@ def test_the_devices_program_holds_no_host_state():
 @pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
     # SeedMLP's gradients overflow fp16 at a scale of 2**17: the first steps are skipped and
-    # must leave the host's master and moments untouched, exactly as on the device.
+    # must leave the host's master and moments untouched, as on the device (a skipped step
+    # that changed them would be off by the update, not by the last bits).
     mesh = zj.make_mesh(data=2, replica=2)
     batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
     out = offload_pair(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, [batch] * 8, stage=stage,
@@ -165,10 +166,13 @@ def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
     (l0, n0, p0, s0), (l1, n1, p1, s1) = out
     skipped = int((~np.isfinite(n1)).sum())
     assert 0 < skipped < 8 and np.isfinite(n1[skipped:]).all()  # skipped first, then trains
-    np.testing.assert_array_equal(l1, l0)
-    np.testing.assert_array_equal(n1, n0)
-    assert_bitwise(p1, p0)
-    assert_bitwise(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state))
+    assert np.array_equal(np.isfinite(n1), np.isfinite(n0))  # the same steps skipped
+    # to the last bits, as every offloaded run (test_offload_gives_the_same_numbers)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(n1[skipped:], n0[skipped:], rtol=1e-6)
+    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-7)
+    assert_tree_close(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state), rtol=1e-6,
+                      atol=1e-7)
     assert float(s1.loss_scale.scale) == float(s0.loss_scale.scale) < 2.0**17
     assert_placement(runs.engines[1], s1)
 
