@@ -42,9 +42,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj
 from zerojax.analysis.flops import run_peak
-from zerojax.analysis.measurement import peaks
+from zerojax.analysis.measurement import host_update_peak, peaks
 from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
-from zerojax.app.report import state_bytes_per_device
+from zerojax.app.report import state_bytes_split
 from zerojax.mesh import DATA, put_batch
 from zerojax.models import GPT
 from zerojax.models.gpt import PRESETS
@@ -172,6 +172,7 @@ class Variant:
     compile_s: float = 0.0
     loss: float = float("nan")
     memory: dict = field(default_factory=dict)  # the compiled step's memory_analysis, bytes
+    engine: Any = None  # zerojax's variants: the engine (offload's host figures come from it)
 
 
 def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
@@ -189,7 +190,8 @@ def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
                        owners=owners)
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)
-    return Variant(name, engine.step, state, batch, lambda: engine.lower(None, batch))
+    return Variant(name, engine.step, state, batch, lambda: engine.lower(None, batch),
+                   engine=engine)
 
 
 def named_tx(args) -> optax.GradientTransformation:
@@ -479,8 +481,13 @@ def _prepare(make) -> Variant:
     t0 = time.perf_counter()
     compiled = v.lower().compile()  # fills the jit cache that v.step then hits
     v.compile_s = time.perf_counter() - t0
-    first = jax.devices()[0]
-    v.memory = memory_stats(compiled, state_bytes_per_device(v.state, first, host=True))
+    v.memory = memory_stats(compiled)
+    if v.engine is not None and v.engine.host_mesh is not None:
+        # Offload: the step's program is the devices'; the host's update is a program of its
+        # own, whose compiled peak is the host's.
+        v.memory |= {"host_state_bytes": state_bytes_split(v.engine, v.state,
+                                                           jax.devices()[0])[1],
+                     "host_peak_bytes": host_update_peak(v.engine)}
     return v
 
 

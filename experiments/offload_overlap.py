@@ -4,8 +4,8 @@ ZeRO-Offload's host update runs on a GPU machine, in one process:
 1. the AdamW update of a `--params` shard as a donated program of the host's own XLA:CPU
    backend (outside any device program): whole, and split into `--slices` independent programs
    dispatched at once or from one thread each; its host memory growth against its state;
-2. the same update inside a device program (`compute_on("device_host")`, the engine's current
-   offload path: `update_bench.update_fn`), for the same bytes;
+2. the engine's own offloaded update (`update_bench.update_fn`: its host program over the
+   host mesh), for the same bytes;
 3. a device program of about the step's length alone, the host update alone, and both
    together, in either order: the device program called first, then the host update; or the
    host update started from a thread of its own, then the device program. Does the host
@@ -180,8 +180,8 @@ def main(argv=None) -> dict:
                    help="length of the device program run beside the host update")
     p.add_argument("--device-size", type=int, default=4096,
                    help="the device program's matrices are this square")
-    p.add_argument("--in-step", type=float, default=50e6,
-                   help="params of the engine's in-step (compute_on) update, 0: not")
+    p.add_argument("--engine-update", type=float, default=50e6,
+                   help="params of the engine's own offloaded update, 0: not")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     params, res = int(a.params), {"params": int(a.params), "cores": os.cpu_count(),
@@ -250,12 +250,12 @@ def main(argv=None) -> dict:
     upd = None
     res["transfer_GBps"] = transfers(params)
     print("transfers GB/s", res["transfer_GBps"], flush=True)
-    if a.in_step:
-        import update_bench  # noqa: E402 -- the engine's in-step offloaded update
-        r = update_bench.measure(int(a.in_step), a.repeats, donate=(True,))
-        res["in_step_update"] = {k: {"GBps": v["bytes_per_s"] / 1e9, "ms": v["median_s"] * 1e3}
+    if a.engine_update:
+        import update_bench  # noqa: E402 -- the engine's offloaded update
+        r = update_bench.measure(int(a.engine_update), a.repeats, donate=(True,))
+        res["engine_update"] = {k: {"GBps": v["bytes_per_s"] / 1e9, "ms": v["median_s"] * 1e3}
                                  for k, v in r["update"].items()}
-        print("in-step", res["in_step_update"], flush=True)
+        print("engine", res["engine_update"], flush=True)
     write_json(a.out, res)
     return res
 

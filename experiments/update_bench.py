@@ -2,11 +2,11 @@
 copy measured in the same process (ZeRO-Offload's update should run at the host's memory
 bandwidth).
 
-The update is the engine's own (`ShardedUpdate` with `offload=True`: `run_offloaded`, the
-local work under `compute_on("device_host")`), compiled alone over the state of a one-leaf
-model of `params` elements, the master and optimizer state in pinned host memory and donated,
-as the step donates them. Bytes per step: the gradient shard, master and optimizer state read,
-master and optimizer state and the compute-dtype shard written.
+The update is the engine's own (its host program, `update/host.py`: the step's
+`ShardedUpdate` run by the CPU backend over the host mesh), over the state of a one-leaf model
+of `params` elements, the master and optimizer state donated, as the step donates them. Bytes
+per step: the gradient shard, master and optimizer state read, master and optimizer state and
+the compute-dtype shard written.
 
     .venv/bin/python experiments/update_bench.py --params 50e6
 """
@@ -27,11 +27,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.precision import DTYPES  # noqa: E402
-from zerojax.update import HOST, to_memory  # noqa: E402
 
 
 class FlatModel:
@@ -63,25 +63,17 @@ def offload_engine(size: int, optimizer, param_dtype: str = "bfloat16") -> tuple
 
 def update_fn(eng, donate: bool = True):
     """`(master, opt_state, grads) -> (master, opt_state, compute shards)`: the step's
-    offloaded update alone (no clipping, no skip), the host state donated if `donate`.
+    offloaded update alone (no clipping; a finite step), the engine's own host program, the
+    host state donated if `donate`. `grads` on the engine's host mesh."""
+    fn = eng._offload._update_fn(donate, False)
+    one = lambda x: jax.device_put(x, NamedSharding(eng.host_mesh, P()))
+    scalars = (one(jnp.float32(1)), one(jnp.float32(1)), None, one(jnp.float32(0)))
 
-    The donated arguments come in the order of the outputs they become: jax pairs donated
-    inputs with outputs of the same type in order, and a crossed pairing costs XLA a copy
-    of each buffer."""
-    plan, specs, shard = eng.plan, eng._manual_specs(), eng.state_shardings()
+    def run(master, opt_state, grads):
+        master, opt_state, shards, _ = fn(scalars, master, opt_state, grads)
+        return master, opt_state, shards
 
-    def body(master, opt_state, grads):
-        one = jnp.float32(1)
-        reduced = (grads, one, one, None, jnp.float32(0))
-        return plan.update(to_memory(reduced, HOST), opt_state, master, offload=True)
-
-    shards = jax.tree.leaves(specs.master, is_leaf=lambda x: isinstance(x, P))
-    sm = jax.shard_map(body, mesh=eng.mesh,
-                       in_specs=(specs.master, specs.opt_state, specs.master),
-                       out_specs=(specs.master, specs.opt_state, shards),
-                       axis_names=frozenset(eng.axes), check_vma=True)
-    return jax.jit(sm, donate_argnums=(0, 1) if donate else (),
-                   out_shardings=(shard.master, shard.opt_state, None))
+    return run
 
 
 def cpu_backend_fn(optimizer, dtype):
@@ -154,7 +146,8 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
     eng, state = offload_engine(params, optimizer, param_dtype)
     dtype = DTYPES[param_dtype]
-    grads = jax.tree.map(lambda m: jnp.full(m.shape, 1e-3, dtype), state.master)
+    grads = jax.device_put(jax.tree.map(lambda m: jnp.full(m.shape, 1e-3, dtype), state.master),
+                           jax.tree.map(lambda m: m.sharding, state.master))
     moved = state_bytes(eng, state, grads)
     cores = os.cpu_count() or 1
     pool = ThreadPoolExecutor(cores)

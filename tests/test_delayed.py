@@ -10,13 +10,11 @@ import numpy as np
 import optax
 import pytest
 from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch
-from jax.extend.core import Literal
 from test_model_axis import gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
 
 import zerojax as zj
-from zerojax.mesh import put_batch
 from zerojax.models import SeedMLP
 from zerojax.units import PlainUnits
 
@@ -240,38 +238,31 @@ def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(runs):
     assert_bitwise(plain.params(plain.restore(runs.ckpt)), saved["params"][2])
 
 
-def _tainted(jaxpr, marked: list[bool]) -> list[bool]:
-    """Which outputs of `jaxpr` depend on the inputs `marked`: through jit and shard_map
-    bodies exactly, through anything else conservatively (every output of an equation that
-    reads a marked value)."""
-    bad = {v for v, m in zip(jaxpr.invars, marked) if m}
-    for eqn in jaxpr.eqns:
-        ins = [not isinstance(v, Literal) and v in bad for v in eqn.invars]
-        inner = eqn.params.get("jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
-        if eqn.primitive.name in ("pjit", "jit", "shard_map") and inner is not None:
-            outs = _tainted(inner, ins)
-        else:
-            outs = [any(ins)] * len(eqn.outvars)
-        bad |= {v for v, m in zip(eqn.outvars, outs) if m}
-    return [not isinstance(v, Literal) and v in bad for v in jaxpr.outvars]
-
-
-def test_the_update_reads_nothing_the_backward_computes():
-    """In a delayed step the host's update (the new master and optimizer state) does not depend
-    on the batch, so XLA may run it beside the forward and backward; the pending gradient
-    does."""
+def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
+    """In a delayed step the host's update of the pending gradient is dispatched before the
+    devices' forward and backward and reads only the state (the pending gradient, the master
+    and optimizer state), so the CPU backend runs it while the devices compute; an ordinary
+    step dispatches it after, on that step's gradient."""
     mesh = zj.make_mesh(data=4)
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
-        stage=3, offload="optimizer", delayed_update=0))
-    eng.init(jax.random.key(0), BATCHES[0])
-    state, batch = eng.abstract_state(), put_batch(BATCHES[0], mesh)
-    closed = jax.make_jaxpr(eng._compiled_step())(state, batch)
-    n = len(jax.tree.leaves(state))
-    out = jax.tree.unflatten(jax.tree.structure((state, {"x": 0})), _tainted(
-        closed.jaxpr, [False] * n + [True] * len(jax.tree.leaves(batch)))[:n] + [0])[0]
-    assert not any(jax.tree.leaves((out.master, out.opt_state)))
-    assert all(jax.tree.leaves(out.pending.grads)) and out.model_state["mean"]
+        stage=3, offload="optimizer", delayed_update=2))
+    state = eng.init(jax.random.key(0), BATCHES[0])
+    off, calls = eng._offload, []
+    def spying(name, make):
+        def spy(*a):
+            fn = make(*a)
+            return lambda *args: calls.append((name, args)) or fn(*args)
+        return spy
+
+    for name in ("_grads_fn", "_update_fn"):
+        monkeypatch.setattr(off, name, spying(name, getattr(off, name)))
+    state, _ = eng.step(state, BATCHES[0])  # step 0 < K - 1: ordinary
+    assert [c for c, _ in calls] == ["_grads_fn", "_update_fn"]
+    calls.clear()
+    pending = state.pending.grads
+    state, _ = eng.step(state, BATCHES[1])  # step 1: delayed
+    assert [c for c, _ in calls] == ["_update_fn", "_grads_fn"]
+    assert calls[0][1][3] is pending  # the update of the state's pending gradient
 
 
 @pytest.mark.parametrize("cfg, match", [

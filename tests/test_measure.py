@@ -250,9 +250,9 @@ def engine_offloads() -> bool:
         return False
     e, b = tiny(3, "bfloat16", offload="optimizer")
     state_bytes(e, b)  # learns the units
-    # Read the memory kind directly, not through measurement.on_host, which the tests check.
-    return any(x.sharding.memory_kind == "pinned_host"
-               for x in jax.tree.leaves(e.abstract_state().master))
+    # Read the placement directly, not through measurement.state_bytes, which the tests check.
+    return e.host_mesh is not None and {x.sharding.mesh for x in jax.tree.leaves(
+        e.abstract_state().master)} == {e.host_mesh}
 
 
 needs_offload = pytest.mark.skipif("not engine_offloads()",

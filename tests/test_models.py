@@ -234,7 +234,9 @@ def test_gpt_uses_dot_product_attention_and_cudnn_only_where_it_can(gpt_test, mo
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    model.apply(params, batch["inputs"])
+    # One program, not op by op; a lambda of its own, so it is traced here with the spy in place
+    # (a jit of `model.apply` itself could reuse another test's trace).
+    jax.jit(lambda p, x: model.apply(p, x))(params, batch["inputs"])
     assert calls == [{"is_causal": True, "implementation": "xla"}]  # the layers are one scan
     pick = gpt_module.attention_implementation
     assert pick(jnp.bfloat16, 64) == "xla"  # CPU

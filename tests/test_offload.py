@@ -1,7 +1,8 @@
-"""ZeRO-Offload (`offload="optimizer"`): master and optimizer state in pinned host memory, the
-update on the host, the same numbers as without offload."""
+"""ZeRO-Offload (`offload="optimizer"`): master and optimizer state on the host mesh, the
+update a program of the host's CPU devices, the same numbers as without offload."""
 
 import functools
+import math
 import re
 import sys
 import time
@@ -40,12 +41,18 @@ def kinds(tree):
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
 
 
-def assert_placement(state):
-    """Master and optimizer state on the host; everything the device computes with on it."""
-    assert kinds(state.master) == {HOST}
-    assert kinds(state.opt_state) == {HOST}
+def assert_placement(engine, state):
+    """Master and optimizer state where the engine says its host state lives (the host mesh:
+    here the mesh's own CPU devices, or others where a test puts it); everything the device
+    computes with on the mesh, in device memory."""
+    want = engine.state_shardings()
+    for part in ("master", "opt_state"):
+        got = jax.tree.leaves(getattr(state, part))
+        assert [x.sharding for x in got] == jax.tree.leaves(getattr(want, part))
+        assert {x.sharding.mesh for x in got} == {engine.host_mesh}
     rest = (state.step, state.compute, state.loss_scale, state.rng, state.model_state)
     assert kinds(rest) == {DEVICE}
+    assert {x.sharding.mesh for x in jax.tree.leaves(rest)} == {engine.mesh}
 
 
 def learn_units(engine, batch):
@@ -63,8 +70,9 @@ def gpt_engine(n, stage, offload):
 
 
 def runs(engines, batches):
-    """Each engine's run on `batches`: [(losses, grad norms, params, state)]."""
-    out = []
+    """Each engine's run on `batches`: [(losses, grad norms, params, state)]; the engines
+    stay in `runs.engines`."""
+    out, runs.engines = [], engines
     for eng in engines:
         losses, params, state = engine_run(eng, batches)
         out.append((losses, engine_run.norms, params, state))
@@ -80,25 +88,21 @@ def offload_pair(model, optimizer, mesh, batches, **cfg):
 @pytest.mark.parametrize("stage", sweep([1, 2, 3], quick=[3]))
 @pytest.mark.parametrize("n", sweep([1, 4], quick=[4]))
 def test_offload_gives_the_same_numbers(stage, n):
-    """Stage 1 gives the offload-free run's numbers bitwise. At stages 2-3 each unit's
-    gradient leaves for the host inside the backward, with its sum of squares taken there per
-    unit (`units.arrive`): the global norm is the same sum in another order, so from a few
-    steps on the numbers differ in the last bits (measured: losses 1.6e-7, norms 1.9e-7
-    relative, params 1.2e-7 over 20 steps); the first step, whose gradients are the same
-    reduce-scatters, is still bitwise."""
+    """The offload-free run's numbers to the last bits. The update is a program of the host's
+    own, compiled apart from the step, so XLA rounds some of its float operations otherwise
+    (stage 1, measured: losses 1.7e-7 relative over 20 steps); at stages 2-3 each unit's
+    gradient also leaves for the host inside the backward, with its sum of squares taken
+    there per unit (`units.arrive`): the global norm is the same sum in another order
+    (measured: losses 1.6e-7, norms 1.9e-7 relative, params 1.2e-7 over 20 steps). Apart
+    from the step's, the device's program fuses its backward otherwise too: even the first
+    step's norm may differ in its last bit."""
     batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(20)]
     (l0, n0, p0, _), (l1, n1, p1, state) = runs(
         [gpt_engine(n, stage, offload) for offload in (None, "optimizer")], batches)
-    if stage == 1:
-        np.testing.assert_array_equal(l1, l0)
-        np.testing.assert_array_equal(n1, n0)
-        assert_bitwise(p1, p0)
-    else:
-        assert n1[0] == n0[0] and l1[1] == l0[1]  # the first step's norm and update
-        np.testing.assert_allclose(l1, l0, rtol=1e-6)
-        np.testing.assert_allclose(n1, n0, rtol=1e-6)
-        assert_tree_close(p1, p0, rtol=1e-6, atol=1e-6)
-    assert_placement(state)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(n1, n0, rtol=1e-6)
+    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-6)
+    assert_placement(runs.engines[1], state)
     assert kinds(p1) == {DEVICE}  # engine.params reads the host master into device memory
 
 
@@ -119,32 +123,41 @@ def test_model_state_stays_on_device_and_evaluate_reads_it():
     assert_bitwise(p1, p0)
     assert_bitwise(s1.model_state, s0.model_state)
     assert int(s1.model_state["count"]) == 5
-    assert_placement(s1)
+    assert_placement(runs.engines[1], s1)
     # float32 stage 3 computes on the master without offload; offloaded, it keeps a device copy.
     assert s0.compute is None and s1.compute is not None
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh,
                     zj.ZeroConfig(stage=3, offload="optimizer"))
     learn_units(eng, BATCHES[0])
-    assert_placement(eng.abstract_state())  # what AOT compilation and restore target
+    assert_placement(eng, eng.abstract_state())  # what AOT compilation and restore target
     ev = eng.evaluate(s1, BATCHES[5])
     ref = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(stage=3))
     learn_units(ref, BATCHES[0])
     assert float(ev["loss"]) == float(ref.evaluate(s0, BATCHES[5])["loss"])
 
 
-def test_update_is_compiled_for_the_host():
-    eng = gpt_engine(4, 3, "optimizer")
+def test_the_devices_program_holds_no_host_state():
+    """The step's program on the devices takes none of the master, optimizer state or pending
+    update (the host's update takes them), and its gradient shards leave it in pinned host
+    memory."""
+    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=4),
+                    zj.ZeroConfig(stage=3, offload="optimizer", delayed_update=1))
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
     learn_units(eng, batch)
-    text = eng.lower(None, put_batch(batch, eng.mesh)).as_text()
-    assert '_xla_compute_type = "host"' in text
-    assert 'mhlo.memory_kind = "pinned_host"' in text
+    low = eng.lower(None, put_batch(batch, eng.mesh))
+    state = eng.abstract_state()
+    args = jax.tree.leaves(low.args_info[0][0])
+    assert len(args) == len(jax.tree.leaves(state)) - len(jax.tree.leaves(eng.host_part(state)))
+    assert 'mhlo.memory_kind = "pinned_host"' in low.as_text()
+    host = jax.tree.leaves(eng.lower_host_update().args_info[0][1:3])  # master, optimizer state
+    assert len(host) == len(jax.tree.leaves((state.opt_state, state.master)))
 
 
 @pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
 def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
     # SeedMLP's gradients overflow fp16 at a scale of 2**17: the first steps are skipped and
-    # must leave the host's master and moments untouched, exactly as on the device.
+    # must leave the host's master and moments untouched, as on the device (a skipped step
+    # that changed them would be off by the update, not by the last bits).
     mesh = zj.make_mesh(data=2, replica=2)
     batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
     out = offload_pair(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, [batch] * 8, stage=stage,
@@ -153,12 +166,15 @@ def test_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
     (l0, n0, p0, s0), (l1, n1, p1, s1) = out
     skipped = int((~np.isfinite(n1)).sum())
     assert 0 < skipped < 8 and np.isfinite(n1[skipped:]).all()  # skipped first, then trains
-    np.testing.assert_array_equal(l1, l0)
-    np.testing.assert_array_equal(n1, n0)
-    assert_bitwise(p1, p0)
-    assert_bitwise(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state))
+    assert np.array_equal(np.isfinite(n1), np.isfinite(n0))  # the same steps skipped
+    # to the last bits, as every offloaded run (test_offload_gives_the_same_numbers)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(n1[skipped:], n0[skipped:], rtol=1e-6)
+    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-7)
+    assert_tree_close(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state), rtol=1e-6,
+                      atol=1e-7)
     assert float(s1.loss_scale.scale) == float(s0.loss_scale.scale) < 2.0**17
-    assert_placement(s1)
+    assert_placement(runs.engines[1], s1)
 
 
 def test_checkpoints_cross_offload_and_device_counts(tmp_path):
@@ -180,11 +196,85 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
 
     back = gpt_engine(1, 2, "optimizer")  # offload off -> on, N 2 -> 1
     again = back.restore(tmp_path / "off")
-    assert_placement(again)
+    assert_placement(back, again)
     assert_bitwise(back.params(again), off.params(restored))
     assert int(again.step) == 3
     again, m = back.step(again, batches[0])
     assert np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.slow  # two runs, a save and two restores (~50 CPU s); CI runs it
+def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
+    """On a GPU the host mesh is the host's CPU devices, apart from the mesh. Here CPU devices
+    4-7 stand in for them beside a mesh on 0-3, so every program meets only its own mesh's
+    arrays and every move between the two is a real copy: delayed steps, evaluate, params, the
+    optimizer state, the startup table's bytes, a save and its restores give the numbers of
+    the run whose host mesh is the mesh itself."""
+    from jax.sharding import Mesh
+
+    import zerojax.update.host as host
+    from zerojax.app.report import state_bytes_split
+
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    cfg = zj.ZeroConfig(stage=2, clip_norm=CLIP, offload="optimizer", delayed_update=1)
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(4)]
+    same = zj.Engine(tiny_gpt(), adamw(), mesh, cfg)
+    twin = lambda m: Mesh(np.array(devices[4:8]).reshape(m.devices.shape), m.axis_names,
+                          axis_types=m.axis_types)
+    monkeypatch.setattr(host, "host_mesh", twin)
+    apart = zj.Engine(tiny_gpt(), adamw(), mesh, cfg)
+    assert set(apart.host_mesh.devices.flat) == set(devices[4:8])
+    (l0, n0, p0, s0), (l1, n1, p1, s1) = runs([same, apart], batches[:3])
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(n1, n0)
+    assert_bitwise(p1, p0)
+    assert_placement(apart, s1)
+    assert kinds(p1) == {DEVICE} and {x.sharding.mesh for x in jax.tree.leaves(p1)} == {mesh}
+    assert_bitwise(apart.optimizer_state(s1), same.optimizer_state(s0))
+    assert float(apart.evaluate(s1, batches[3])["loss"]) == \
+        float(same.evaluate(s0, batches[3])["loss"])
+    total, hosted = state_bytes_split(apart, s1, devices[0])
+    assert (total, hosted) == state_bytes_split(same, s0, devices[0]) and 0 < hosted < total
+    apart.save(s1, tmp_path)
+    back = apart.restore(tmp_path)
+    assert_placement(apart, back)
+    assert_bitwise(apart.params(back), p1)
+    s0, m0 = same.step(same.restore(tmp_path), batches[3])
+    back, m1 = apart.step(back, batches[3])
+    assert float(m1["loss"]) == float(m0["loss"])
+    assert_bitwise(apart.params(back), same.params(s0))
+
+
+def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
+    """On a machine of accelerators each device of the mesh gets a CPU device of its process,
+    in the mesh's shape and axes; too few CPU devices is one ConfigError naming the count and
+    the flag that gives more. (Stand-in accelerators: this machine has only CPU devices.)"""
+    from types import SimpleNamespace
+
+    from jax.sharding import AxisType
+
+    from zerojax.update.offload import host_mesh
+
+    cpus = jax.devices("cpu")
+
+    def accelerators(shape):
+        devices = [SimpleNamespace(platform="gpu", process_index=0, id=100 + i)
+                   for i in range(math.prod(shape))]
+        return SimpleNamespace(devices=np.array(devices, dtype=object).reshape(shape),
+                               axis_names=("replica", "data"),
+                               axis_types=(AxisType.Auto, AxisType.Auto))
+
+    twin = host_mesh(accelerators((2, 2)))
+    assert twin.devices.tolist() == [[cpus[0], cpus[1]], [cpus[2], cpus[3]]]
+    assert twin.axis_names == ("replica", "data")
+    mesh = zj.make_mesh(data=4)
+    assert host_mesh(mesh) is mesh  # CPU devices already: the mesh itself
+    n = len(cpus) + 1
+    with pytest.raises(zj.ConfigError, match=rf"process 0 has {n} devices in the mesh but "
+                       rf"{n - 1} CPU device\(s\).*jax_num_cpu_devices', {n}\).*"
+                       rf"xla_force_host_platform_device_count={n}"):
+        host_mesh(accelerators((1, n)))
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -197,24 +287,6 @@ def test_bad_offload_is_one_config_error(cfg, match):
         zj.ZeroConfig(**cfg)
 
 
-def _transfers(jaxpr, out):
-    """The avals of every `device_put` into device memory of a value in host memory, in
-    `jaxpr` and the jaxprs inside it (shard_map, jit, scan bodies)."""
-    for eqn in jaxpr.eqns:
-        if eqn.ctx.compute_type == "device_host":
-            continue  # a host computation: its values are typed device memory, not moved
-        if eqn.primitive.name == "device_put" and \
-                tuple(eqn.params["devices"]) == (jax.memory.Space.Device,):
-            out += [v.aval for v in eqn.invars
-                    if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host]
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _transfers(inner, out)
-    return out
-
-
 @pytest.mark.parametrize("stage, dtype", [(3, "bfloat16"), (1, "float16")])
 def test_the_updated_shard_comes_back_in_the_compute_dtype(stage, dtype):
     """What the host sends back each step is the compute-dtype shard (2 bytes a parameter), not
@@ -223,13 +295,11 @@ def test_the_updated_shard_comes_back_in_the_compute_dtype(stage, dtype):
                     zj.ZeroConfig(stage=stage, param_dtype=dtype, offload="optimizer"))
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
     learn_units(eng, batch)
-    jaxpr = jax.make_jaxpr(eng._compiled_step())(eng.abstract_state(), put_batch(batch, eng.mesh))
-    back = _transfers(jaxpr.jaxpr, [])
+    back = jax.tree.leaves(eng.lower_host_update().out_info[2])  # the update's shards
     assert {a.dtype.name for a in back} == {dtype}
-    layout = eng.layout  # one shard per leaf: [k] or [L, k] per device
-    assert sorted(a.size for a in back) == sorted(
-        layout.shard_size(leaf) * (leaf.shape[0] if leaf.stacked else 1)
-        for leaf in layout.leaves)
+    layout = eng.layout  # one shard per leaf, [k] or [L, k] per device: [N·k] or [L, N·k]
+    assert sorted(a.shape for a in back) == sorted(layout.flat_shape(leaf)
+                                                   for leaf in layout.leaves)
 
 
 class Flat:
@@ -257,7 +327,7 @@ def _entry(text):
 
 def _allocations(dump):
     """{parameter number: the values in its buffer} from XLA's buffer-assignment dump."""
-    (path,) = dump.glob("*jit_local_step*after_optimizations-buffer-assignment.txt")
+    (path,) = dump.glob("*jit_body*after_optimizations-buffer-assignment.txt")
     out, param = {}, None
     for line in path.read_text().splitlines():
         if line.startswith("allocation"):
@@ -270,12 +340,15 @@ def _allocations(dump):
     return out
 
 
-@pytest.mark.parametrize("donate", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
-    """The master and moments are donated, and the host update writes their new values into
-    the same buffers: every host-state argument aliases its output, no copy of one is made,
-    and XLA's buffer assignment holds the update's result in the argument's own buffer (so the
-    host never holds a second master or moment). Without donation each check fails."""
+@pytest.mark.parametrize("donate, delayed", [(True, False), (True, True),
+                                             pytest.param(False, False, marks=pytest.mark.slow)])
+def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate, delayed):
+    """The master and moments are donated, and the host's update program writes their new
+    values into the same buffers: every host-state argument aliases its output, no copy of
+    one is made, and XLA's buffer assignment holds the update's result in the argument's own
+    buffer (so the host never holds a second master or moment). Without donation each check
+    fails. A delayed update (or dynamic loss scaling) skips the update of a step that has
+    none: a branch, which runs in place too, where a select would keep the old moments."""
     if not donate:
         jit = jax.jit
         monkeypatch.setattr(jax, "jit", lambda f, donate_argnums=(), **kw: jit(f, **kw))
@@ -283,13 +356,16 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
     # step, not when the step is loaded from a persistent compilation cache.
     lr = 1e-3 * (1 + (time.time_ns() % 997) * 1e-6)
     eng = zj.Engine(Flat(1 << 12), optax.adamw(lr, weight_decay=0.1), zj.make_mesh(data=2),
-                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer"))
+                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer",
+                                  delayed_update=1 if delayed else None))
     batch = {"x": np.ones((4, 8), np.float32)}
     learn_units(eng, batch)
-    low = eng.lower(None, put_batch(batch, eng.mesh))
+    low = eng.lower_host_update()
     compiled = low.compile({"xla_dump_to": str(tmp_path), **DEFAULT_BUFFERS})
     alias, params = _entry(compiled.as_text())
-    host = {i for i, p in enumerate(params) if ":S(5)" in p}
+    # The arguments: the gradient's scalars, the master, the optimizer state, the gradient.
+    scalars, grads = len(jax.tree.leaves(low.args_info[0][0])), len(params) - 1
+    host = set(range(scalars, grads))
     assert len(host) == len(jax.tree.leaves((eng.abstract_state().master,
                                              eng.abstract_state().opt_state)))
     names = re.findall(r"ENTRY %\S+ \((.*?)\) ->", compiled.as_text())[0]
@@ -299,9 +375,14 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate):
     big = {i for i in host if "[" in params[i] and "[]" not in params[i]}  # master, mu, nu
     assert len(big) == 3
     if donate:
-        assert all(alias.get(i) == i for i in host)  # state output i is argument i's buffer
+        # each state argument's buffer is an output's; the gradient's (bf16 like the compute
+        # params) takes the shards that go back to the device, the last output
+        assert set(alias.values()) == host | {grads} and alias[max(alias)] == grads
         assert not copied
-        assert all(len(in_place[i]) == 2 for i in big), in_place  # the argument, its update
+        # the argument and its update (with a flag, inside the branch that runs it, and the
+        # branch's result)
+        assert all(len(in_place[i]) == (3 if delayed else 2) for i in big), in_place
+        assert all(in_place[i][-1].startswith("conditional") == delayed for i in big)
     else:
         assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
 
@@ -381,8 +462,10 @@ def _loop_bodies(text):
 
 
 def _cuda_step(eng):
-    """The engine's step as StableHLO lowered for CUDA."""
-    return eng._compiled_step().trace(eng.abstract_state(), put_batch(STACK_BATCH, eng.mesh)) \
+    """The engine's program on the devices as StableHLO lowered for CUDA."""
+    off = eng._offload
+    return off._grads_fn().trace(off.device_part(eng.abstract_state()),
+                                 put_batch(STACK_BATCH, eng.mesh)) \
         .lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -437,7 +520,7 @@ def test_a_unit_used_again_keeps_the_transfer_after_the_backward(stage, again):
     np.testing.assert_array_equal(l1, l0)
     np.testing.assert_array_equal(n1, n0)
     assert_bitwise(p1, p0)
-    assert_placement(state)
+    assert_placement(runs.engines[-1], state)
 
 
 @pytest.mark.slow
@@ -447,8 +530,9 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     """qwZ changes how a unit's weights travel, not the shard its backward produces: the
     per-unit transfer composes; a last-bit difference in the params can move a weight across
     a quantization step, so the offload-free run's numbers hold to 1e-5, not 1e-6. qgZ keeps
-    the transfer after the backward: its quantized reduction turned the norm's last-bit
-    difference into 4.7e-6 relative within 6 steps; there the numbers stay bitwise."""
+    the transfer after the backward; the host's update, compiled apart from the step, rounds
+    otherwise in the last bits from the first update on, which its quantized reduction
+    carries on (to 1e-5 too)."""
     model = tiny_gpt()
     batches = [gpt_batch(model.cfg, 8, s) for s in range(6)]
     mesh = zj.make_mesh(data=4)
@@ -458,13 +542,16 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     assert per_unit(eng.plan) == inside
     (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(model, adamw(), mesh, batches,
                                                         stage=stage, clip_norm=CLIP, **wire)
-    assert n1[0] == n0[0] and l1[1] == l0[1]
-    if inside:
-        np.testing.assert_allclose(l1, l0, rtol=1e-5)
-        np.testing.assert_allclose(n1, n0, rtol=1e-5)
-        assert_tree_close(p1, p0, rtol=1e-5, atol=1e-5)
-    else:
-        np.testing.assert_array_equal(l1, l0)
-        np.testing.assert_array_equal(n1, n0)
-        assert_bitwise(p1, p0)
-    assert_placement(state)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
+    np.testing.assert_allclose(n1, n0, rtol=1e-5)
+    # By their distance relative to how far the run moved the params: an element whose
+    # quantized block rounds the other way moves by a step of its own (measured with qgZ: 4
+    # of 2048 weights by 1.5e-5 after 6 steps), which an element-wise tolerance cannot tell
+    # from a wrong update.
+    start = jax.tree.leaves(model.init(jax.random.key(0)))
+    diff = sum(np.sum((np.asarray(a, np.float64) - b) ** 2)
+               for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)))
+    moved = sum(np.sum((np.asarray(b, np.float64) - c) ** 2)
+                for b, c in zip(jax.tree.leaves(p0), start))
+    assert np.sqrt(diff / moved) < 1e-3
+    assert_placement(runs.engines[-1], state)

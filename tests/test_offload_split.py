@@ -97,8 +97,9 @@ def test_offload_overlap_reports_every_form_and_updates_as_optax(tmp_path):
     import offload_overlap as ov
 
     out = tmp_path / "overlap.json"
-    res = ov.main(["--params", "4096", "--slices", "1", "2", "--repeats", "1", "--in-step", "0",
-                   "--device-seconds", "0.001", "--device-size", "16", "--out", str(out)])
+    res = ov.main(["--params", "4096", "--slices", "1", "2", "--repeats", "1",
+                   "--engine-update", "0", "--device-seconds", "0.001", "--device-size", "16",
+                   "--out", str(out)])
     assert set(res["host_update"]) == {"1 slice(s), dispatch", "2 slice(s), dispatch",
                                        "2 slice(s), threads"}
     for r in res["host_update"].values():

@@ -46,9 +46,10 @@ from zerojax.step import (
 )
 from zerojax.units import RecordingUnits, make_handles
 from zerojax.update import ShardedUpdate, StepUpdate, as_transformation, takes_value
-from zerojax.update.delayed import Delay, empty_pending, lagging, pending_specs, with_lagging
+from zerojax.update.delayed import empty_pending, lagging, pending_specs, with_lagging
+from zerojax.update.host import HostOffload
 
-HOST_MEMORY = "pinned_host"  # where offload="optimizer" keeps master and optimizer state
+HOST_MEMORY = "pinned_host"  # an offloaded master and optimizer state on the devices' mesh
 
 
 class Engine:
@@ -76,8 +77,10 @@ class Engine:
         self.plan: StepPlan | None = None
         self._step_fn = None
         self._eval_fn = None
-        # delayed_update: its programs, and which one a state's next step runs
-        self._delay = Delay(self) if config.delayed_update is not None else None
+        # offload: its programs on the device and host meshes (update/host.py); the same
+        # object runs delayed_update's, and says which one a state's next step runs
+        self._offload = HostOffload(self) if config.offload is not None else None
+        self._delay = self._offload if config.delayed_update is not None else None
 
     # ---------------------------------------------------------------- layout discovery
 
@@ -158,6 +161,18 @@ class Engine:
         self._eval_fn = None
 
     @property
+    def host_mesh(self):
+        """With offload="optimizer": the mesh of the host's CPU devices that holds the master,
+        the optimizer state and a pending update (the mesh itself on a machine of CPU
+        devices); None without offload."""
+        return None if self._offload is None else self._offload.mesh
+
+    def host_part(self, state) -> tuple:
+        """The parts of `state` (or of its abstract twin) that live on `host_mesh`: (master,
+        optimizer state, pending update); () without offload."""
+        return () if self._offload is None else (state.master, state.opt_state, state.pending)
+
+    @property
     def layout(self) -> Layout:
         if self.plan is None:
             raise RuntimeError("call engine.init(rng, batch) or engine.init_from(params, batch) "
@@ -192,8 +207,20 @@ class Engine:
         return jax.eval_shape(lambda k: _as_arrays(self.model.init_state(k)), jax.random.key(0))
 
     def state_shardings(self) -> TrainState:
-        """NamedShardings of every state leaf on this engine's mesh; with offload="optimizer"
-        the master and optimizer state are in "pinned_host" memory, the rest on the device."""
+        """NamedShardings of every state leaf; with offload="optimizer" the master, optimizer
+        state (and pending update) are on the host mesh (update/offload.py), the rest on this
+        engine's mesh."""
+        shardings = self.view_shardings()
+        if self._offload is None:
+            return shardings
+        specs = self.state_specs()
+        return shardings._replace(**{f: self._offload.shardings(getattr(specs, f))
+                                     for f in ("master", "opt_state", "pending")})
+
+    def view_shardings(self) -> TrainState:
+        """NamedShardings of every state leaf on this engine's mesh, an offloaded master and
+        optimizer state in its "pinned_host" memory: how the programs that read a whole
+        offloaded state on the devices (init, restore, the checkpoint layout) take it."""
         is_spec = lambda x: isinstance(x, P)
         on = lambda kind: lambda s: NamedSharding(self.mesh, s, memory_kind=kind)
         specs = self.state_specs()
@@ -254,7 +281,7 @@ class Engine:
             state_key, train_key = _derived_keys(r)
             return self._to_state(self.model.init(r), train_key, self._init_state(state_key))
 
-        return jax.jit(build, out_shardings=self.state_shardings())(rng)
+        return self._home(jax.jit(build, out_shardings=self.view_shardings())(rng))
 
     def init_from(self, params, batch, *, rng: jax.Array | None = None,
                   model_state: Any = None) -> TrainState:
@@ -281,13 +308,20 @@ class Engine:
                 model_state = self._init_state(state_key)
             return self._to_state(params, train_key, model_state)
 
-        return jax.jit(build, out_shardings=self.state_shardings())(params, rng, model_state)
+        return self._home(jax.jit(build, out_shardings=self.view_shardings())(
+            params, rng, model_state))
+
+    def _home(self, state: TrainState) -> TrainState:
+        """A state built on this engine's mesh moved where it lives (offload: the host mesh)."""
+        return state if self._offload is None else self._offload.to_host(state)
+
+    def _viewed(self, state: TrainState) -> TrainState:
+        """`state` on this engine's mesh alone (see `view_shardings`)."""
+        return state if self._offload is None else self._offload.to_view(state)
 
     # ---------------------------------------------------------------- the step
 
     def _compiled_step(self):
-        if self._delay:  # the program of the delayed phase (Engine.step picks per state)
-            return self._delay.step_fn(True)
         if self._step_fn is None:
             specs = self._manual_specs()
             body = jax.shard_map(partial(local_step, self.plan), mesh=self.mesh,
@@ -312,8 +346,8 @@ class Engine:
         check_state(self, state)
         check_batch(batch, self.mesh, self.config.grad_accum, jax.process_count())
         check_batch_like(self, batch)
-        if self._delay:
-            return self._delay.step(state, put_batch(batch, self.mesh))
+        if self._offload:
+            return self._offload.step(state, put_batch(batch, self.mesh))
         return self._compiled_step()(state, put_batch(batch, self.mesh))
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
@@ -333,11 +367,13 @@ class Engine:
         n = check_batch(batch, self.mesh, 1, pc, divisible=False)
         check_batch_like(self, batch, sizes=False)
         if self._delay:  # evaluates the params with the pending update applied
-            state = state._replace(compute=self._delay.applied_fn()(state)[2])
+            state = state._replace(compute=self._delay.applied_compute(state))
+        specs = self._manual_specs()
+        if self._offload:  # the step's params are on the devices; the rest is not read
+            state, specs = self._offload.device_part(state), self._offload.device_part(specs)
         if self._eval_fn is None:
             body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
-                                 in_specs=(self._manual_specs(), P(self.axes), P(self.axes),
-                                           P()),
+                                 in_specs=(specs, P(self.axes), P(self.axes), P()),
                                  out_specs=P(), axis_names=frozenset(self.axes), check_vma=True)
             self._eval_fn = jax.jit(body)
         parts = eval_parts(batch, n // pc, self.replica * self.data // pc, pc)
@@ -346,17 +382,31 @@ class Engine:
         return {k: sum(s[k] for s in sums) / n for k in sums[0]}
 
     def lower(self, state=None, batch=None):
-        """`jax.jit(...).lower` of the step, for abstract or concrete inputs."""
+        """`jax.jit(...).lower` of the step, for abstract or concrete inputs; with offload, of
+        its program on the devices (the host's update: `lower_host_update`)."""
         if state is not None:
             check_state(self, state)
         state = self.abstract_state() if state is None else state
+        if self._offload:
+            return self._offload.lower(state, batch)
         return self._compiled_step().lower(state, batch)
+
+    def lower_host_update(self, state=None):
+        """With offload: `jax.jit(...).lower` of the update the host's CPU devices run each
+        step on the donated master and optimizer state."""
+        if self._offload is None:
+            raise ConfigError("lower_host_update() is for an engine with offload='optimizer'")
+        if state is not None:
+            check_state(self, state)
+        return self._offload.lower_update(self.abstract_state() if state is None else state)
 
     def params(self, state: TrainState) -> Any:
         """Logical fp32 master params: original shapes, padding removed."""
         layout, offload = self.layout, self.config.offload is not None
         check_state(self, state)
-        master = self._delay.applied_fn()(state)[0] if self._delay else state.master
+        master = self._delay.applied(state)[0] if self._delay else state.master
+        if offload:  # read on the devices, as without offload
+            master = jax.device_put(master, self.view_shardings().master)
         return self._jitted("params", lambda: jax.jit(
             lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m)))(master)
 
@@ -370,12 +420,13 @@ class Engine:
         """The optimizer state as single-device optax has it for the logical params (e.g. for
         `optax.contrib.schedule_free_eval_params`)."""
         offload = self.config.offload is not None
-        if self._delay:
-            check_state(self, state)
-            state = state._replace(opt_state=self._delay.applied_fn()(state)[1])
+        check_state(self, state)
+        opt_state = self._delay.applied(state)[1] if self._delay else state.opt_state
+        if offload:
+            opt_state = jax.device_put(opt_state, self.view_shardings().opt_state)
         plan = self.plan
         return self._jitted("optimizer_state", lambda: jax.jit(lambda s: plan.update.logical(
-            on_device(s).opt_state if offload else s.opt_state)))(state)
+            to_memory(s, DEVICE) if offload else s)))(opt_state)
 
     def _jitted(self, name, make):
         """A jitted helper made once per plan: a fresh `jax.jit(lambda ...)` per call traces
@@ -391,14 +442,15 @@ class Engine:
         """The state in the logical layout (traceable): {"params", "opt_state", "step",
         "loss_scale": {"scale", "good_steps"}, "rng"[, "model_state"]}, as checkpoints hold
         it: original shapes, no padding, any stage and N; PRNG keys as their raw data.
-        With delayed_update: the params and optimizer state with the pending update applied,
-        and the compute params the next step runs on as "delayed"/"params" (update/delayed.py)."""
+        With offload, of the state as `saveable` gives it; with delayed_update, the params
+        and optimizer state there have the pending update applied, and the compute params the
+        next step runs on are "delayed"/"params" (update/delayed.py)."""
         lag = None
         if self._delay:
+            if state.pending is not None:
+                raise ValueError("engine.logical takes an offloaded state as "
+                                 "engine.saveable(state) gives it (the pending update applied)")
             lag = lagging(self.plan, state.compute)
-            if state.pending is not None:  # else settled already (Delay.settled)
-                master, opt_state, _ = self._delay.applied(state)
-                state = state._replace(master=master, opt_state=opt_state)
         if self.config.offload is not None:
             state = on_device(state)
         tree = {"params": self.layout.from_flat(state.master),
@@ -412,6 +464,15 @@ class Engine:
         if lag is not None:
             tree["delayed"] = {"params": lag}
         return tree
+
+    def saveable(self, state: TrainState) -> TrainState:
+        """`state` as `logical` reads it: with offload, on this engine's mesh alone and, with
+        delayed_update, its pending update applied (in the host's own program: applied inside
+        the save's program, the update's outputs were seen with other bits by the checksums
+        than by the arrays written, on XLA:CPU)."""
+        if self._delay:
+            state = self._delay.settled(state)
+        return self._viewed(state)
 
     def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None,
                        delayed: bool | None = None) -> dict:
@@ -468,7 +529,7 @@ class Engine:
             return with_lagging(self.plan, st, tree["delayed"]["params"]) \
                 if self._delay and "delayed" in tree else st
 
-        return jax.jit(build, out_shardings=self.state_shardings())(tree)
+        return self._home(jax.jit(build, out_shardings=self.view_shardings())(tree))
 
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
              keep: int | None = None, extra: dict | None = None,

@@ -13,10 +13,10 @@ under hpZ the shards span both axes and stage 3's backward reduces over both.
 The ZeRO++ options change how these collectives travel (`plan.wire`, collectives.py), not
 which ones run.
 
-With `offload="optimizer"` the master shard and the optimizer state are host arrays: the
-reduced gradient shard goes to the host in its reduction dtype, the unscaling, clipping,
-optax update and loss-scale skip run there (`compute_on("device_host")`), and only the new
-compute-dtype shard comes back, so the device never holds fp32 master or moments.
+With `offload="optimizer"` the master shard and the optimizer state live on the host's CPU
+devices and the step is split (update/host.py): `local_grads` and `settle` on the devices,
+the update on the host, `_refresh` on the devices again, so the device never holds fp32
+master or moments.
 """
 
 from __future__ import annotations
@@ -167,15 +167,48 @@ def per_unit(plan: StepPlan) -> bool:
 
 def local_step(plan: StepPlan, state: TrainState, batch):
     """One optimizer step on this device's batch slice; returns (new state, metrics)."""
+    reduced, model_state, means = local_grads(plan, state, batch)
+    master, opt_state, shards = plan.update(reduced, state.opt_state, state.master)
+    new, metrics = settle(plan, state, reduced, model_state, means)
+    compute = _refresh(plan, shards, state.compute) if plan.stores_compute else None
+    lr = learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    return new._replace(master=master, opt_state=opt_state, compute=compute), metrics
+
+
+def local_grads(plan: StepPlan, state: TrainState, batch):
+    """This device's forward, backward and reduction: `(reduced, model state, mean metrics)`,
+    `reduced` as the update takes it: (the summed, loss-scaled gradient shard per leaf, its
+    divisor, the global norm, the finite flag of dynamic loss scaling or None, the global
+    loss). The master and optimizer state are not read (offload keeps them elsewhere)."""
     if per_unit(plan):
         try:
-            return _local_step(plan, state, batch, True)
+            return _local_grads(plan, state, batch, True)
         except UnitReused:  # a unit used so that its gradient is summed after it leaves
             pass
-    return _local_step(plan, state, batch, False)
+    return _local_grads(plan, state, batch, False)
 
 
-def _local_step(plan: StepPlan, state: TrainState, batch, to_host: bool):
+def settle(plan: StepPlan, state: TrainState, reduced, model_state, means: dict):
+    """The step's bookkeeping besides the update: (the state with the step counted, the loss
+    scale and the model state moved on, the metrics)."""
+    cfg, norm, finite = plan.config, reduced[2], reduced[3]
+    ls, metrics = state.loss_scale, {}
+    if cfg.dynamic_scale:
+        model_state = _keep(finite, model_state, state.model_state)
+        ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
+        metrics["loss_scale"] = ls.scale
+        metrics["skipped"] = (~finite).astype(jnp.int32)
+    # In every precision, not only where dynamic loss scaling skips the step: a NaN batch or a
+    # diverged fp32 run is flagged in the step that made it.
+    means = dict(means)
+    metrics.update(loss=means.pop("loss"), grad_norm=norm,
+                   nonfinite=(~jnp.isfinite(norm)).astype(jnp.int32), **means)
+    return state._replace(step=state.step + 1, loss_scale=ls, model_state=model_state), metrics
+
+
+def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool):
     cfg, layout = plan.config, plan.layout
     stage, k = cfg.stage, cfg.grad_accum
     comp = compute_params(plan, state)
@@ -249,37 +282,10 @@ def _local_step(plan: StepPlan, state: TrainState, batch, to_host: bool):
         sq = lax.psum(sq, layout.axis)
     norm = jnp.sqrt(sq)
 
-    ls = state.loss_scale
-    metrics = {}
     # norm is global, so every device takes the same branch
     finite = jnp.isfinite(norm) if cfg.dynamic_scale else None
     means = _mean_metrics(loss, aux, plan.axes)
-    reduced = (layout.unflatten(grads), denom, norm, finite, means["loss"])
-    if cfg.offload:
-        # The gradient shard goes to the host in its reduced dtype (not fp32), with the scale,
-        # norm, skip flag and loss; each round of the update's local work runs on the host
-        # (one host call for an elementwise optimizer); the compute-dtype shard comes back.
-        new_master, opt_state, shards = plan.update(
-            to_memory(reduced, HOST), state.opt_state, state.master, offload=True)
-    else:
-        new_master, opt_state, shards = plan.update(reduced, state.opt_state, state.master)
-    if cfg.dynamic_scale:
-        model_state = _keep(finite, model_state, state.model_state)
-        ls = update_loss_scale(ls, finite, cfg.loss_scale_interval)
-        metrics["loss_scale"] = ls.scale
-        metrics["skipped"] = (~finite).astype(jnp.int32)
-
-    compute = _refresh(plan, shards, state.compute) if plan.stores_compute else None
-    # In every precision, not only where dynamic loss scaling skips the step: a NaN batch or a
-    # diverged fp32 run is flagged in the step that made it.
-    metrics.update(loss=means.pop("loss"), grad_norm=norm,
-                   nonfinite=(~jnp.isfinite(norm)).astype(jnp.int32), **means)
-    lr = learning_rate(opt_state)
-    if lr is not None:
-        metrics["lr"] = to_memory(lr, DEVICE) if cfg.offload else lr
-    new_state = TrainState(state.step + 1, new_master, opt_state, compute, ls, state.rng,
-                           model_state)
-    return new_state, metrics
+    return (layout.unflatten(grads), denom, norm, finite, means["loss"]), model_state, means
 
 
 def learning_rate(opt_state) -> jax.Array | None:

@@ -270,8 +270,9 @@ def _check_formats(quantize_weights: Any, quantize_grads: Any, quant_block: Any)
         raise EstimateError(f"quant_block={quant_block!r} must be a positive integer")
 
 
-# XLA:GPU's pinned-host allocator (where offload's state lives) has a limit of its own, below
-# the machine's memory: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, default 64 GiB (per process).
+# XLA:GPU's pinned-host allocator (where offload's gradient shard goes on its way to the host
+# mesh) has a limit of its own, below the machine's memory: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB,
+# default 64 GiB (per process).
 PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_LIMIT_DEFAULT_GB = 64
 

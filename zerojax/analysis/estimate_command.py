@@ -137,7 +137,8 @@ def estimate_main(argv: list[str]) -> int:
         if a.offload:
             title += ("; total: device bytes, host: master + optimizer state in host memory, "
                       "host peak: + the gradient shard down and the compute shard up while "
-                      "the update runs in place (XLA:GPU's pinned-host pool must hold it: "
+                      "the update runs in place (in the CPU backend's memory; XLA:GPU's "
+                      "pinned-host pool holds the gradient shard on its way: "
                       f"{format_bytes(pinned_limit())} here, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
         if a.delayed_update is not None:
             title += ("; --delayed-update: host and host peak include the pending float32 "

@@ -131,15 +131,18 @@ class Fit:
     optimizer_state_bytes: float = ADAM_BYTES  # per param, master excluded
     host_peak: float = 0.0  # offload: host + the update's gradient and compute shards
     pending: float = 0.0  # delayed update: its float32 gradient shard, in `host`
+    # offload: what XLA:GPU's pinned-host pool holds, the gradient shard on its way to the
+    # host mesh (the state lives in the CPU backend's memory)
+    pinned: float = 0.0
 
     def over(self, device_memory: float, host_memory: float | None = None,
              pinned: float | None = None) -> list[str]:
         """The memories this shape's estimate does not fit: "device", "host" (its
-        `host_peak` over `host_memory`), "pinned-host limit" (over `pinned`)."""
+        `host_peak` over `host_memory`), "pinned-host limit" (its `pinned` over `pinned`)."""
         out = ["device"] if self.peak > device_memory else []
         if host_memory is not None and self.host_peak > host_memory:
             out.append("host")
-        if pinned is not None and self.host_peak > pinned:
+        if pinned is not None and self.pinned > pinned:
             out.append("pinned-host limit")
         return out
 
@@ -165,8 +168,10 @@ def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int
     # Stage 3 gathers one unit at a time: the largest is a layer or the vocabulary table.
     unit = max(cfg.layer_params, cfg.vocab_size * cfg.d_model)
     gathered = 2 * unit * _itemsize(param_dtype) if stage == 3 and devices > 1 else 0
+    pinned = psi * _itemsize(param_dtype) / devices if offload else 0.0
     return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
-               mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak, mem.pending)
+               mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak, mem.pending,
+               pinned)
 
 
 def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
@@ -181,10 +186,11 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     8 bytes, which is what AdamW's init gives on every shape).
 
     With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
-    device memory; `host_memory` and `pinned` (XLA:GPU's pinned-host pool), if given, must
-    also hold each device's host peak (`Fit.host_peak`: the state and the in-place update's
-    gradient and compute shards). `delayed_update` (with `offload`) adds the pending update:
-    its float32 gradient shard to the host, the next compute shard to the device peak.
+    device memory; `host_memory`, if given, must also hold each device's host peak
+    (`Fit.host_peak`: the state and the in-place update's gradient and compute shards), and
+    `pinned` (XLA:GPU's pinned-host pool) the gradient shard on its way there (`Fit.pinned`).
+    `delayed_update` (with `offload`) adds the pending update: its float32 gradient shard to
+    the host, the next compute shard to the device peak.
     Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None, "binds": the
     memories the next larger shape does not fit (`Fit.over`)}. Arithmetic only.
     """

@@ -46,10 +46,11 @@ class Measurement:
     dtype the program asks for; `collective_bytes_compiled` is what the compiled program
     sends on this backend (XLA:CPU upcasts bf16 collectives to f32).
 
-    With offload, `state` also splits into `device` and `host` by each leaf's memory kind.
-    Where the compiled program reports host bytes (GPU), `device_peak_bytes` is measured
-    (`split` "measured"); XLA:CPU reports none and counts host buffers as arguments, so there
-    it is derived: `peak_bytes` less the state's host bytes (`split` "derived").
+    With offload, `state` also splits into `device` and `host` (the master, optimizer state
+    and pending update, on the engine's host mesh). The step's program is the device's
+    (`device_peak_bytes` = `peak_bytes`) and `host_peak_bytes` is the peak of the host's
+    update, a program of its own (`split` "measured"). `split` "derived" is for a program
+    holding both (none of this engine's).
     """
 
     stage: int
@@ -70,7 +71,7 @@ class Measurement:
     collective_launches: int  # collectives the program starts per step (loops unrolled)
     unknown_loops: int  # while loops whose trip count was not found (counted once)
     offload: str | None = None
-    host_peak_bytes: int = 0  # the host_* figures of memory_analysis (0 where not reported)
+    host_peak_bytes: int = 0  # the host update's peak per host device (offload), else 0
     device_peak_bytes: int = 0  # peak_bytes less what lives in host memory
     split: str = "measured"  # how device/host were told apart: "measured" or "derived"
     # The engine's optimizer state per param, master excluded, from its init (Adam: 8).
@@ -142,17 +143,11 @@ def state_bytes(engine, batch=None) -> dict[str, int]:
            "optimizer": nbytes(state.opt_state),
            "other": nbytes((state.step, state.loss_scale, state.rng, state.model_state))}
     out["total"] = sum(out.values())
-    out["host"] = nbytes(state, on_host)
+    out["host"] = nbytes(engine.host_part(state))
     out["device"] = out["total"] - out["host"]
     return out
 
 
-HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
-def on_host(x) -> bool:
-    """Whether the array (or `ShapeDtypeStruct`) `x` is placed in host memory."""
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
 
 
 def measure(engine, batch) -> Measurement:
@@ -189,6 +184,10 @@ def measure_lowered(engine, lowered) -> Measurement:
     requested, launches = by_kind(sites)
     state = state_bytes(engine)
     peak, host_peak, device_peak, split = peaks(mem, state["host"])
+    if engine.host_mesh is not None:
+        # Offload: the device's program holds no host state; the host's update is a program
+        # of the CPU backend, whose own peak is the host's.
+        host_peak, device_peak, split = host_update_peak(engine), peak, "measured"
     return Measurement(
         stage=cfg.stage,
         devices=engine.data,
@@ -247,6 +246,14 @@ def optimizer_state_size(engine) -> StateSize:
     params = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
                               for leaf in layout.leaves)
     return state_size(engine.optimizer, params)
+
+
+def host_update_peak(engine) -> int:
+    """Per host device: the peak bytes of an offloading engine's host update (its arguments,
+    outputs not aliased to them, and temporaries), from the compiled program."""
+    mem = engine.lower_host_update().compile().memory_analysis()
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
 
 
 def peaks(mem, host_state: int) -> tuple[int, int, int, str]:

@@ -67,7 +67,8 @@ def plan_main(argv: list[str]) -> int:
                         "(default: not limited)")
     p.add_argument("--pinned-limit", type=pinned_arg, default=None,
                    help="--largest: XLA:GPU's pinned-host pool per device, which offload's "
-                        "host peak must fit, e.g. 110GiB, or none (default: "
+                        "gradient shard on its way to the host must fit, e.g. 110GiB, or none "
+                        "(default: "
                         "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, else XLA's 64 GiB)")
     p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
                    help="--largest: the offload columns with the delayed parameter update "

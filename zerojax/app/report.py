@@ -32,7 +32,6 @@ from zerojax.analysis.accounting import (
     state_estimate,
 )
 from zerojax.analysis.flops import throughput
-from zerojax.analysis.measurement import on_host
 from zerojax.app.files import append_line, replace_file
 from zerojax.precision import DTYPES
 from zerojax.update.presets import STATE, TITLE
@@ -46,17 +45,28 @@ def make_console(quiet: bool) -> Console:
     return console
 
 
-def state_bytes_per_device(state, device: jax.Device, host: bool | None = None) -> int:
-    """Bytes of `device`'s addressable shards of every array in `state` (measured, not modelled);
-    `host` True / False: only the arrays in host / device memory."""
+def state_bytes_per_device(state, device: jax.Device) -> int:
+    """Bytes of `device`'s addressable shards of every array in `state` (measured, not
+    modelled)."""
     total = 0
     for leaf in jax.tree.leaves(state):
-        if host is not None and on_host(leaf) != host:
-            continue
         for shard in getattr(leaf, "addressable_shards", ()):
             if shard.device == device:
                 total += shard.data.nbytes
     return total
+
+
+def state_bytes_split(engine, state, device: jax.Device) -> tuple[int, int]:
+    """(bytes of `device`'s shards of `state`, of which in host memory): with offload the
+    master, optimizer state and pending update count on `device`'s twin on the engine's host
+    mesh (on a machine of CPU devices, the device itself)."""
+    hosted = engine.host_part(state)
+    if not hosted:
+        return state_bytes_per_device(state, device), 0
+    (at,) = [i for i, d in np.ndenumerate(engine.mesh.devices) if d == device]
+    host = state_bytes_per_device(hosted, engine.host_mesh.devices[at])
+    rest = state._replace(master=None, opt_state=None, pending=None)
+    return state_bytes_per_device(rest, device) + host, host
 
 
 def startup_table(rows: list[tuple[str, str]], title: str) -> Table:

@@ -264,8 +264,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
 
     num_params = engine.layout.num_params
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
-    measured = report.state_bytes_per_device(state, mine)
-    measured_host = report.state_bytes_per_device(state, mine, host=True)
+    measured, measured_host = report.state_bytes_split(engine, state, mine)
     split = report.split_params(engine)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg,
                                    optimizer_state_size(engine).per_param, split)

@@ -160,8 +160,7 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra= must be a JSON-serializable dict: {e}") from None
     layout, cfg = engine.layout, engine.config
-    if engine._delay:  # the pending update applied in a program of its own (update/delayed.py)
-        state = engine._delay.settled(state)
+    state = engine.saveable(state)  # offload: on the devices' mesh, nothing pending
     to_logical, dtypes = _saver(engine)
     tree, sums = to_logical(state)
     if not allow_nonfinite:

@@ -6,7 +6,7 @@ is elementwise stays local and costs nothing new, a norm or any other reduction 
 local segment reduction plus one fused all-reduce per round (program.py), and whole-matrix
 work (Muon's Newton–Schulz, any matmul, transpose or sort of a leaf) runs on an owner device
 per matrix (owners.py). Mask and label functions see logical leaves, as in plain optax. With
-offload, each round's local work runs on the host (offload.py).
+offload, the whole update runs on the host's CPU devices (host.py).
 
 Modules: reps.py (how a value lives on the devices; the flat layout's index arithmetic),
 interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan, while),
@@ -36,7 +36,7 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, MODEL
 from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
-from zerojax.update.offload import DEVICE, HOST, run_offloaded, to_memory
+from zerojax.update.offload import DEVICE, HOST, to_memory
 from zerojax.update.owners import Owners
 from zerojax.update.placement import loads
 from zerojax.update.program import Program
@@ -76,15 +76,36 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
     `reduced`: (summed gradients, their divisor, the global norm, the finite flag of dynamic
     loss scaling or None, the global loss)."""
     grads, denom, norm, finite, value = reduced
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
-    if how.clip_norm is not None:
-        c = jnp.float32(how.clip_norm)
-        # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
-        grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
+    if how.out_dtype is not None:
+        # Offloaded: one scale a gradient element, multiplied where it is read. XLA keeps a
+        # divide's result in a buffer of its own when several fusions read it (the moments',
+        # the master's): a float32 gradient beside the host state.
+        scale = 1 / denom
+        if how.clip_norm is not None:
+            c = jnp.float32(how.clip_norm)
+            scale = jnp.where(norm < c, scale, scale / norm * c)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
+    else:
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
+        if how.clip_norm is not None:
+            c = jnp.float32(how.clip_norm)
+            # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
+            grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
     kw = {"value": value} if how.extra else {}
-    updates, new_opt = optimizer.update(grads, opt_state, master, **kw)
-    new_master = optax.apply_updates(master, updates)
-    if finite is not None:
+
+    def update(master, opt_state):
+        updates, new_opt = optimizer.update(grads, opt_state, master, **kw)
+        return optax.apply_updates(master, updates), new_opt
+
+    if finite is None:
+        new_master, new_opt = update(master, opt_state)
+    elif how.out_dtype is not None:
+        # Offloaded, the host updates the state in place: a skipped step as a branch, since a
+        # select between the new and the old state keeps a copy of each old moment alive.
+        new_master, new_opt = jax.lax.cond(finite, update, lambda m, o: (m, o), master,
+                                           opt_state)
+    else:
+        new_master, new_opt = update(master, opt_state)
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
         new_master, new_opt = keep(new_master, master), keep(new_opt, opt_state)
     leaves = jax.tree.leaves(new_master)
@@ -216,18 +237,14 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------------ the step
 
-    def __call__(self, reduced, opt_state, master, offload: bool = False):
-        """Inside the step's shard_map: this device's (new master, new optimizer state, new
-        master leaves). `reduced` as `step_update` takes it, over flat shards."""
+    def __call__(self, reduced, opt_state, master):
+        """Inside the step's shard_map (or, offloaded, the host update's): this device's (new
+        master, new optimizer state, new master leaves). `reduced` as `step_update` takes it,
+        over flat shards."""
         finite = reduced[3] is not None
         prog, _, _ = self.program(finite, [g.dtype for g in jax.tree.leaves(reduced[0])])
-        args = jax.tree.leaves((reduced, opt_state, master))
+        outs = prog(*jax.tree.leaves((reduced, opt_state, master)))
         n, m = len(self.param_reps), len(self.state_reps)
-        if offload:  # the master and the state stay on the host; the compute shard leaves
-            spaces = [HOST] * (n + m) + [DEVICE] * n
-            outs = run_offloaded(prog, args, spaces)
-        else:
-            outs = prog(*args)
         master_out = self.layout.unflatten(outs[:n])
         opt_out = jax.tree.unflatten(self.state_def, outs[n:n + m])
         return master_out, opt_out, list(outs[n + m:])

@@ -1,85 +1,57 @@
-"""ZeRO-Offload's update: the local work of each round on the host, only the collectives on the
-device."""
+"""Where ZeRO-Offload's state lives: memory spaces, and the host mesh.
+
+The fp32 master and the optimizer state of `offload="optimizer"` live on the *host mesh*: a
+CPU device of the host for each device of the mesh, in the mesh's shape and axis names, so
+that a leaf keeps its PartitionSpec and each device's shard has a host twin. The CPU backend
+runs the update there (host.py): donated, so in place, and one partition per CPU device. On
+a machine whose mesh is already of CPU devices the host mesh is the mesh itself.
+"""
 
 from __future__ import annotations
 
-import inspect
+from collections import defaultdict
 
 import jax
-import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
+import numpy as np
+from jax.sharding import Mesh
 
-from zerojax.update.program import Program, run_comms, run_local
+from zerojax.errors import ConfigError
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-def on_host(f):
-    """`f` compiled as one host computation whose outputs stay in host memory."""
-    if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # jax >= 0.11
-        return compute_on(jax.jit(f), compute_type="device_host", out_memory_spaces=HOST)
-    return compute_on("device_host")(jax.jit(f))  # jax 0.10: a context manager
 
 
 def to_memory(tree, space):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def run_offloaded(prog: Program, args, spaces):
-    """`prog` with its local work in host memory and compute (`compute_on("device_host")`):
-    one host computation per round (split at control flow with collectives inside, which runs
-    on the device), the fused collectives of each round on the device; the outputs end in the
-    memory `spaces` say."""
-    env = dict(zip(prog.inputs, args, strict=True))
-    # What depends on no input (a dummy leaf, a flag) is computed in the step itself, on the
-    # device: XLA folds such a value into a constant, whatever memory it was asked to be in.
-    fixed = set(prog.consts)
-    for locals_, _ in prog.rounds:
-        for op in locals_:
-            if op.kind == "local" and all(k in fixed for k in op.ins):
-                run_local(op, env, prog.consts)
-                fixed.update(op.outs)
-    steps = []  # ("host", [ops]) | ("device", [ops]) | ("comm", [ops])
-    for locals_, comms in prog.rounds:
-        for op in locals_:
-            if all(k in env for k in op.outs):
-                continue
-            kind = "device" if op.kind == "sync" else "host"
-            if steps and steps[-1][0] == kind == "host":
-                steps[-1][1].append(op)
-            else:
-                steps.append((kind, [op]))
-        if comms:
-            steps.append(("comm", comms))
-    last_use: dict[int, int] = {}
-    for i, (_, ops) in enumerate(steps):
-        for op in ops:
-            for k in op.ins:
-                last_use[k] = i
-    for k in prog.outputs:
-        last_use[k] = len(steps)
-    for i, (kind, ops) in enumerate(steps):
-        made = {k for op in ops for k in op.outs}
-        ins = sorted({k for op in ops for k in op.ins if k not in made and k in env})
-        outs = sorted(k for k in made if last_use.get(k, -1) > i)
-        if kind == "comm":
-            sub = {k: to_memory(env[k], DEVICE) for k in ins}
-            run_comms(ops, sub, prog.axis, prog.shards)
-            env.update({k: to_memory(sub[k], HOST) for k in outs})
-            continue
-
-        def seg(*vals, ops=ops, ins=ins, outs=outs, host=kind == "host"):
-            # Inside the host computation the values are typed as device memory, so that they
-            # mix with the constants the update creates (a select needs one memory space).
-            local = dict(zip(ins, to_memory(vals, DEVICE) if host else vals))
-            for op in ops:
-                run_local(op, local, prog.consts)
-            res = [local[k] for k in outs]
-            return to_memory(res, HOST) if host else res
-
-        space = HOST if kind == "host" else DEVICE
-        vals = [to_memory(env[k], space) for k in ins]
-        res = on_host(seg)(*vals) if kind == "host" else seg(*vals)
-        env.update(zip(outs, [to_memory(r, HOST) for r in res] if kind == "device" else res))
-    return [to_memory(env[k] if k in env else jnp.asarray(prog.consts[k]), space)
-            for k, space in zip(prog.outputs, spaces, strict=True)]
+def host_mesh(mesh: Mesh) -> Mesh:
+    """`mesh`'s host twin: each device replaced by a CPU device of its own process (the i-th
+    of the process's devices in the mesh by the process's i-th CPU device)."""
+    devices = mesh.devices
+    if all(d.platform == "cpu" for d in devices.flat):
+        return mesh
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError as e:
+        raise ConfigError(f"offload='optimizer' runs the update on the host's CPU devices, and "
+                          f"jax has no CPU backend here ({e}); if JAX_PLATFORMS names the "
+                          f"accelerator alone, add cpu (e.g. JAX_PLATFORMS=cuda,cpu)") from None
+    by_process = defaultdict(list)
+    for c in cpus:
+        by_process[c.process_index].append(c)
+    used: dict = defaultdict(int)
+    twins = np.empty(devices.shape, dtype=object)
+    for idx, d in np.ndenumerate(devices):
+        p = d.process_index
+        have = sorted(by_process[p], key=lambda c: c.id)
+        if used[p] >= len(have):
+            want = sum(1 for x in devices.flat if x.process_index == p)
+            raise ConfigError(
+                f"offload='optimizer' keeps each device's optimizer shard on a CPU device of its "
+                f"host: process {p} has {want} devices in the mesh but {len(have)} CPU "
+                f"device(s). Start jax with as many CPU devices: "
+                f"jax.config.update('jax_num_cpu_devices', {want}) before the first jax call "
+                f"(or XLA_FLAGS=--xla_force_host_platform_device_count={want})")
+        twins[idx] = have[used[p]]
+        used[p] += 1
+    return Mesh(twins, mesh.axis_names, axis_types=mesh.axis_types)

@@ -1,0 +1,278 @@
+"""ZeRO-Offload's step: `ZeroConfig(offload="optimizer")`; offload.py says where its state
+lives (the host mesh).
+
+A step is three programs, dispatched in order and run asynchronously:
+
+  gradients  device mesh: forward, backward and reduction (`step.local_grads`); the reduced
+             gradient shard ends in host memory, per unit inside the backward at stages 2-3
+             (`step.per_unit`), in its reduction dtype
+  update     host mesh: unscaling, clipping, optax and the loss-scale skip (the step's own
+             `ShardedUpdate`) on the donated master and optimizer state, so in place, one
+             partition per CPU device; out come the compute-dtype shards
+  refresh    device mesh: the compute params from those shards (a cast at stage 3, one
+             all_gather per layer at stages 1-2, into the donated compute params)
+
+The update is the CPU backend's own program, not a host computation inside the device's
+program: measured on an H100's host (docs/performance.md), the latter got fresh output buffers
+(a host peak of 2.17x the state) and ran at a third of the former's bandwidth.
+
+With `delayed_update` (delayed.py) the update of the previous step's gradient is dispatched
+before this step's gradients program, which runs on the params without it, so the CPU backend
+updates while the devices compute; this step's gradient waits in host memory as the pending
+update.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.step import _refresh, learning_rate, local_grads, settle
+from zerojax.update.delayed import Pending
+from zerojax.update.offload import host_mesh
+
+HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
+
+
+class HostOffload:
+    """An engine's offload programs; with `delayed_update`, which one a state's next step
+    runs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.mesh = host_mesh(engine.mesh)
+        self.k = engine.config.delayed_update
+        self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
+
+    # ------------------------------------------------------------ placement
+
+    def shardings(self, specs):
+        """NamedShardings on the host mesh of a tree of PartitionSpecs."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    @staticmethod
+    def device_part(state):
+        """`state` without what lives on the host mesh."""
+        return state._replace(master=None, opt_state=None, pending=None)
+
+    def _moved(self, state, shardings, free: bool):
+        """`state` with its host leaves put on `shardings`; `free`: one leaf at a time, each
+        source deleted once copied (the copy's peak is one leaf, not the host state; jax does
+        not donate across memory kinds)."""
+        def put(x, s):
+            y = jax.device_put(x, s)
+            if free and y is not x:  # (the same array where nothing moves)
+                y.block_until_ready()
+                x.delete()
+            return y
+
+        return state._replace(**{f: jax.tree.map(put, getattr(state, f), getattr(shardings, f))
+                                 for f in HOSTED if getattr(state, f) is not None})
+
+    def to_host(self, state):
+        """A state built on the device mesh (the view's shardings) moved to its home, each
+        leaf's device-mesh copy freed as it goes."""
+        return self._moved(state, self.engine.state_shardings(), True)
+
+    def to_view(self, state):
+        """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
+        the programs that read the whole state on the device mesh take it (checkpoint layout,
+        logical params)."""
+        return self._moved(state, self.engine.view_shardings(), False)
+
+    # ------------------------------------------------------------ the programs
+
+    def _cached(self, key, build):
+        return self.engine._jitted(("offload", key), build)  # made once per plan
+
+    def _specs(self):
+        """(the device part's manual specs, the reduced gradient's, the shards', each
+        leaf's specs as NamedShardings take them)."""
+        eng = self.engine
+        specs, full = eng._manual_specs(), eng.state_specs()
+        finite = P() if eng.config.dynamic_scale else None
+        return (self.device_part(specs), (specs.master, P(), P(), finite, P()),
+                jax.tree.leaves(specs.master, is_leaf=lambda x: isinstance(x, P)), full)
+
+    def _grads_fn(self):
+        eng = self.engine
+
+        def build():
+            device, reduced, _, full = self._specs()
+
+            def body(plan, state, batch):
+                reduced, model_state, means = local_grads(plan, state, batch)
+                new, metrics = settle(plan, state, reduced, model_state, means)
+                return new, reduced, metrics
+
+            fn = jax.shard_map(partial(body, eng.plan), mesh=eng.mesh,
+                               in_specs=(device, P(eng.axes)), out_specs=(device, reduced, P()),
+                               axis_names=frozenset(eng.axes), check_vma=True)
+            # The gradient shard leaves the device in the program that makes it.
+            on = lambda kind: lambda s: NamedSharding(eng.mesh, s, memory_kind=kind)
+            grads = jax.tree.map(on("pinned_host"), full.master,
+                                 is_leaf=lambda x: isinstance(x, P))
+            return jax.jit(fn, out_shardings=(self.device_part(eng.state_shardings()),
+                                              (grads, None, None, None, None), None))
+
+        return self._cached("grads", build)
+
+    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False):
+        """`(scalars, master, optimizer state, gradient) -> (master, optimizer state, shards,
+        {"lr"?})`. `finite`: whether the scalars hold a flag that skips the update (dynamic
+        loss scaling's, or a pending update's `ok`); `donate`: the master and optimizer state
+        donated, and with `grads_too` the gradient, whose buffer then takes the shards."""
+        eng = self.engine
+
+        def build():
+            _, reduced, shards, full = self._specs()
+            specs = eng._manual_specs()
+
+            def body(plan, scalars, master, opt_state, grads):
+                master, opt_state, shards = plan.update((grads, *scalars), opt_state, master)
+                lr = learning_rate(opt_state)
+                return master, opt_state, shards, ({} if lr is None else {"lr": lr})
+
+            scalars = (*reduced[1:3], P() if finite else None, P())
+            fn = jax.shard_map(partial(body, eng.plan), mesh=self.mesh,
+                               in_specs=(scalars, specs.master, specs.opt_state, reduced[0]),
+                               out_specs=(specs.master, specs.opt_state, shards, P()),
+                               axis_names=frozenset(eng.axes), check_vma=True)
+            # Donated in the order of the outputs: jax pairs a donated buffer with the first
+            # output of its shape and dtype, so master -> master, each moment to its own and
+            # the gradient to the shards.
+            donated = ((1, 2, 3) if grads_too else (1, 2)) if donate else ()
+            return jax.jit(fn, donate_argnums=donated, keep_unused=True,
+                           out_shardings=(self.shardings(full.master),
+                                          self.shardings(full.opt_state), None, None))
+
+        return self._cached(("update", donate, finite, grads_too), build)
+
+    def _refresh_fn(self, donate: bool):
+        eng = self.engine
+
+        def build():
+            _, _, shards, _ = self._specs()
+            compute = eng._manual_specs().compute
+            fn = jax.shard_map(partial(_refresh, eng.plan), mesh=eng.mesh,
+                               in_specs=(shards, compute), out_specs=compute,
+                               axis_names=frozenset(eng.axes), check_vma=True)
+            return jax.jit(fn, donate_argnums=1 if donate else (),
+                           out_shardings=eng.state_shardings().compute)
+
+        return self._cached(("refresh", donate), build)
+
+    def _store_fn(self):
+        """The step's reduced gradient (on the host mesh) as the pending update: float32,
+        zero where the step was skipped."""
+        def store(reduced):
+            grads, denom, norm, finite, value = reduced
+            ok = jnp.ones((), jnp.bool_) if finite is None else finite
+            grads = jax.tree.map(lambda g: jnp.where(ok, g.astype(jnp.float32), 0.0), grads)
+            return Pending(grads, denom, norm, ok, value)
+
+        return self._cached("store", lambda: jax.jit(
+            store, out_shardings=self.engine.state_shardings().pending))
+
+    # ------------------------------------------------------------ running them
+
+    def _to_device(self, shards):
+        full = self.engine.state_specs()
+        sh = [NamedSharding(self.engine.mesh, s)
+              for s in jax.tree.leaves(full.master, is_leaf=lambda x: isinstance(x, P))]
+        return jax.device_put(shards, sh)
+
+    def _update(self, reduced, state, donate: bool):
+        grads, *scalars = reduced
+        on = NamedSharding(self.mesh, P())
+        scalars = tuple(None if x is None else jax.device_put(x, on) for x in scalars)
+        # The gradient's buffer takes the shards where their dtypes agree.
+        same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
+        fn = self._update_fn(donate, scalars[2] is not None, same)
+        return fn(scalars, state.master, state.opt_state, grads)
+
+    def applied(self, state):
+        """(master, optimizer state, compute-dtype shards) with the pending update applied
+        (nothing is donated)."""
+        p = state.pending
+        return self._update((p.grads, p.denom, p.norm, p.ok, p.value), state, False)[:3]
+
+    def applied_compute(self, state):
+        """The compute params with the pending update applied (for evaluate)."""
+        shards = self._to_device(self.applied(state)[2])
+        return self._refresh_fn(False)(shards, state.compute)
+
+    def settled(self, state):
+        """`state` with the pending update applied to its master and optimizer state, its
+        compute params (those the next step runs on) as they are, and `pending` None: what a
+        checkpoint holds."""
+        master, opt_state, _ = self.applied(state)
+        return state._replace(master=master, opt_state=opt_state, pending=None)
+
+    def _delays(self, state) -> bool:
+        """Whether the state's next step is a delayed one (its step >= K - 1)."""
+        if self.k is None:
+            return False
+        ref, n = self._last
+        if ref() is not state.step:
+            n = int(state.step)  # once after init or restore: nothing queued
+        self._last = (ref, n)
+        return n >= self.k - 1
+
+    def step(self, state, batch):
+        """One offloaded step; donates `state`."""
+        if isinstance(state.step, jax.core.Tracer):
+            raise NotImplementedError(
+                "engine.step with offload runs a program on the devices and one on the host's "
+                "CPU devices, which an outer jax.jit or scan cannot hold; call engine.step "
+                "outside jit (each call dispatches its programs asynchronously)")
+        delayed = self._delays(state)
+        n = self._last[1]
+        if delayed:  # dispatched first: the host updates while the devices compute
+            p = state.pending
+            applied = self._update((p.grads, p.denom, p.norm, p.ok, p.value), state, True)
+        new, reduced, metrics = self._grads_fn()(self.device_part(state), batch)
+        grads, *scalars = reduced
+        reduced = (jax.device_put(grads, self.shardings(self.engine.state_specs().master)),
+                   *scalars)  # the scalars go with the update's (`_update`)
+        if delayed:
+            master, opt_state, shards, lr = applied
+            grads, denom, norm, finite, value = reduced
+            if finite is None:
+                finite = jnp.ones((), jnp.bool_)
+            pending = self._store_fn()((grads, *jax.device_put(
+                (denom, norm, finite, value), NamedSharding(self.mesh, P()))))
+        else:
+            master, opt_state, shards, lr = self._update(reduced, state, True)
+            pending = state.pending
+        compute = self._refresh_fn(True)(self._to_device(shards), state.compute)
+        metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))
+        new = new._replace(master=master, opt_state=opt_state, compute=compute, pending=pending)
+        if self.k is not None:
+            self._last = (weakref.ref(new.step), n + 1)
+        return new, metrics
+
+    def lower(self, state, batch):
+        """The gradients program (the device's), lowered."""
+        return self._grads_fn().lower(self.device_part(state), batch)
+
+    def lower_update(self, state):
+        """The host's update of a step, lowered (the state donated): of a delayed step with
+        delayed_update, whose update a flag may skip, as dynamic loss scaling's may."""
+        specs, mesh = self.engine.state_specs(), self.mesh
+        grads = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(
+            m.shape, self.engine.plan.rdtype, sharding=NamedSharding(mesh, s)),
+            state.master, specs.master, is_leaf=lambda x: isinstance(x, P))
+        one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
+        reduced = (grads, one(jnp.float32), one(jnp.float32), one(jnp.bool_), one(jnp.float32))
+        if not (self.engine.config.dynamic_scale or self.k is not None):
+            reduced = (*reduced[:3], None, reduced[4])  # no flag: nothing skips the update
+        same = self.engine.plan.rdtype == self.engine.plan.dtype
+        return self._update_fn(True, reduced[3] is not None, same).lower(
+            reduced[1:], state.master, state.opt_state, reduced[0])
