@@ -263,6 +263,10 @@ def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     state, _ = eng.step(state, BATCHES[1])  # step 1: delayed
     assert [c for c, _ in calls] == ["_update_fn", "_grads_fn"]
     assert calls[0][1][3] is pending  # the update of the state's pending gradient
+    # The checkpoint layout reads the state with its pending update applied, on the devices.
+    with pytest.raises(zj.StateError, match=r"engine.saveable\(state\)"):
+        eng.logical(state)
+    assert int(eng.logical(eng.saveable(state))["step"]) == 2
 
 
 @pytest.mark.parametrize("cfg, match", [

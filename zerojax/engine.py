@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import roundtrip
 from zerojax.config import ZeroConfig
-from zerojax.errors import ConfigError, ModelError
+from zerojax.errors import ConfigError, ModelError, StateError
 from zerojax.mesh import (
     DATA,
     REPLICA,
@@ -448,7 +448,7 @@ class Engine:
         lag = None
         if self._delay:
             if state.pending is not None:
-                raise ValueError("engine.logical takes an offloaded state as "
+                raise StateError("engine.logical takes a delayed-update state as "
                                  "engine.saveable(state) gives it (the pending update applied)")
             lag = lagging(self.plan, state.compute)
         if self.config.offload is not None:
