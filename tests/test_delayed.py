@@ -238,6 +238,21 @@ def test_a_save_in_the_delayed_phase_resumes_on_another_n_and_stage(runs):
     assert_bitwise(plain.params(plain.restore(runs.ckpt)), saved["params"][2])
 
 
+@pytest.mark.slow  # the whole-matrix bundle's compile (~20 CPU s)
+def test_delayed_update_of_whole_matrix_and_keyed_optimizers_matches_the_delayed_loop():
+    """The optimizer table's first bundle (Muon on owner devices, Adafactor's and SM3's
+    factored statistics, noisy SGD's PRNG key, injected hyperparameters, MultiSteps, ...)
+    under the delayed update, whose pending update a flag may skip, on replica 2 × data 2 at
+    stage 3: the host's update keeps its branch for the skip except where the state holds a
+    key, which the sharded branch cannot carry between devices."""
+    import optimizer_table as table
+
+    _, _, err = check_delayed(table.Bundle(table.BUNDLES[0]), table.bundled(table.BUNDLES[0]),
+                              table.batches(), zj.make_mesh(replica=2, data=2), k=1, clip=None,
+                              stage=3)
+    assert err <= 1e-5
+
+
 def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     """In a delayed step the host's update of the pending gradient is dispatched before the
     devices' forward and backward and reads only the state (the pending gradient, the master

@@ -97,11 +97,15 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
         updates, new_opt = optimizer.update(grads, opt_state, master, **kw)
         return optax.apply_updates(master, updates), new_opt
 
+    keys = any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+               for x in jax.tree.leaves(opt_state))
     if finite is None:
         new_master, new_opt = update(master, opt_state)
-    elif how.out_dtype is not None:
+    elif how.out_dtype is not None and not keys:
         # Offloaded, the host updates the state in place: a skipped step as a branch, since a
         # select between the new and the old state keeps a copy of each old moment alive.
+        # (Not for a state holding a PRNG key: the sharded branch would move the key between
+        # devices in collectives of its words, which the program does not do yet.)
         new_master, new_opt = jax.lax.cond(finite, update, lambda m, o: (m, o), master,
                                            opt_state)
     else:

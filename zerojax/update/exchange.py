@@ -197,14 +197,6 @@ class _Slots:
         return out
 
 
-def _pad_rows(x, n: int):
-    """`x` with `n` rows of zeros (of a PRNG key's data, for a key array) after its own."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(x)
-        return jax.random.wrap_key_data(_pad_rows(jax.random.key_data(x), n), impl=impl)
-    return jnp.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1))
-
-
 def _work(p, wave, placements, args) -> list[list[int]]:
     """One local op: every group's common slots, then this device's further instances (a
     switch over the distinct per-device profiles). Per group, its exports' keys [c, ...]."""
@@ -229,7 +221,7 @@ def _work(p, wave, placements, args) -> list[list[int]]:
                 outs = []
                 for g, a, v, pl, e, top in zip(wave, args, per_group, placements, q, tops):
                     for x in slots(g, a, v, pl.common, pl.common + e):
-                        outs.append(_pad_rows(x, top - e))
+                        outs.append(jnp.pad(x, [(0, top - e)] + [(0, 0)] * (x.ndim - 1)))
                 return tuple(vary_all_to(outs, vals))
             return b
 
