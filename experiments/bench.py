@@ -491,18 +491,18 @@ def _prepare(make) -> Variant:
     return v
 
 
-def memory_stats(compiled, host_state: int = 0) -> dict:
+def memory_stats(compiled) -> dict:
     """Per-device bytes XLA assigned to the compiled step; peak = argument + output - alias +
-    temp (the donated state counted once); `device_peak_bytes` leaves out what is in host
-    memory (`host_state`: the state's host bytes), measured or derived as `split` says
-    (measurement.peaks). Empty where the backend reports nothing."""
+    temp (the donated state counted once; measurement.peaks). An offloading variant adds its
+    host state and the host update's peak (`_prepare`). Empty where the backend reports
+    nothing."""
     mem = compiled.memory_analysis()
     if mem is None:
         return {}
-    peak, host_peak, device_peak, split = peaks(mem, host_state)
+    peak, host_peak = peaks(mem)
     return {"peak_bytes": peak, "temp_bytes": mem.temp_size_in_bytes,
-            "argument_bytes": mem.argument_size_in_bytes, "device_peak_bytes": device_peak,
-            "host_peak_bytes": host_peak, "host_state_bytes": host_state, "split": split}
+            "argument_bytes": mem.argument_size_in_bytes, "device_peak_bytes": peak,
+            "host_peak_bytes": host_peak, "host_state_bytes": 0, "split": "measured"}
 
 
 def run_sequential(makers, todo, args) -> tuple[dict[str, Variant], dict[str, str]]:

@@ -34,7 +34,7 @@ from zerojax.mesh import put_batch
 from zerojax.models import SeedMLP
 from zerojax.step import per_unit
 
-HOST, DEVICE = "pinned_host", "device"
+DEVICE = "device"
 
 
 def kinds(tree):

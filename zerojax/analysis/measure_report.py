@@ -59,8 +59,8 @@ def title(m, name: str = "", optimizer: str = "") -> str:
             + ", compiled: as this backend sends them"
             + ("; over model: Megatron's all-reduces, read from the compiled program"
                if m.model > 1 else "")
-            + ("; split: device/host peak measured by the compiler or derived from the "
-               "state's memory kinds" if m.offload else ""))
+            + ("; device peak: the devices' program's, host peak: the host update's, each "
+               "measured from its compiled program" if m.offload else ""))
 
 
 def report(m, activations=None) -> str:

@@ -49,8 +49,8 @@ class Measurement:
     With offload, `state` also splits into `device` and `host` (the master, optimizer state
     and pending update, on the engine's host mesh). The step's program is the device's
     (`device_peak_bytes` = `peak_bytes`) and `host_peak_bytes` is the peak of the host's
-    update, a program of its own (`split` "measured"). `split` "derived" is for a program
-    holding both (none of this engine's).
+    update, a program of its own. `split` is always "measured" (each peak is its own compiled
+    program's); reports made before the host mesh also say "derived".
     """
 
     stage: int
@@ -183,11 +183,11 @@ def measure_lowered(engine, lowered) -> Measurement:
     sites += model_sites(compiled_text, engine)
     requested, launches = by_kind(sites)
     state = state_bytes(engine)
-    peak, host_peak, device_peak, split = peaks(mem, state["host"])
+    peak, host_peak = peaks(mem)
     if engine.host_mesh is not None:
         # Offload: the device's program holds no host state; the host's update is a program
         # of the CPU backend, whose own peak is the host's.
-        host_peak, device_peak, split = host_update_peak(engine), peak, "measured"
+        host_peak = host_update_peak(engine)
     return Measurement(
         stage=cfg.stage,
         devices=engine.data,
@@ -208,8 +208,8 @@ def measure_lowered(engine, lowered) -> Measurement:
         unknown_loops=unknown,
         offload=cfg.offload,
         host_peak_bytes=host_peak,
-        device_peak_bytes=device_peak,
-        split=split,
+        device_peak_bytes=peak,
+        split="measured",
         optimizer_state_bytes=optimizer_state_size(engine).per_param,
         quantize_weights=cfg.quantize_weights,
         quantize_grads=cfg.quantize_grads,
@@ -249,28 +249,19 @@ def optimizer_state_size(engine) -> StateSize:
 
 
 def host_update_peak(engine) -> int:
-    """Per host device: the peak bytes of an offloading engine's host update (its arguments,
-    outputs not aliased to them, and temporaries), from the compiled program."""
-    mem = engine.lower_host_update().compile().memory_analysis()
-    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes)
+    """Per host device: the peak bytes of an offloading engine's host update, from its
+    compiled program (a CPU program: all of it is host memory)."""
+    return peaks(engine.lower_host_update().compile().memory_analysis())[0]
 
 
-def peaks(mem, host_state: int) -> tuple[int, int, int, str]:
-    """`(peak, host_peak, device_peak, split)` per device from a compiled step's
-    `memory_analysis()` and the state's bytes in host memory.
-
-    `split` is "measured" where the compiler reports host bytes (or nothing is on the host);
-    XLA:CPU reports none and counts host buffers with the device's, so there the device peak is
-    derived: the host state, an argument aliased to its output, counts once in `peak`.
-    """
+def peaks(mem) -> tuple[int, int]:
+    """`(peak, host_peak)` per device from a compiled program's `memory_analysis()`: its
+    arguments, outputs not aliased to them and temporaries, in device and in host memory."""
     peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes)
     host_peak = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
                  - mem.host_alias_size_in_bytes + mem.host_temp_size_in_bytes)
-    if host_peak or not host_state:
-        return peak, host_peak, peak, "measured"
-    return peak, host_peak, peak - host_state, "derived"
+    return peak, host_peak
 
 
 def lower(engine, batch):

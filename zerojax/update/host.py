@@ -182,16 +182,25 @@ class HostOffload:
 
     # ------------------------------------------------------------ running them
 
-    def _to_device(self, shards):
-        full = self.engine.state_specs()
-        sh = [NamedSharding(self.engine.mesh, s)
-              for s in jax.tree.leaves(full.master, is_leaf=lambda x: isinstance(x, P))]
-        return jax.device_put(shards, sh)
+    def _moves(self):
+        """(the gradient's shardings on the host mesh, the shards' on the devices' mesh):
+        what each step moves between the two, made once per plan."""
+        def build():
+            leaves = jax.tree.leaves(self.engine.state_specs().master,
+                                     is_leaf=lambda x: isinstance(x, P))
+            return ([NamedSharding(self.mesh, s) for s in leaves],
+                    [NamedSharding(self.engine.mesh, s) for s in leaves])
+
+        return self._cached("moves", build)
+
+    def _host_scalars(self, scalars):
+        """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""
+        on = NamedSharding(self.mesh, P())
+        return tuple(None if x is None else jax.device_put(x, on) for x in scalars)
 
     def _update(self, reduced, state, donate: bool):
         grads, *scalars = reduced
-        on = NamedSharding(self.mesh, P())
-        scalars = tuple(None if x is None else jax.device_put(x, on) for x in scalars)
+        scalars = self._host_scalars(scalars)
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         fn = self._update_fn(donate, scalars[2] is not None, same)
@@ -200,12 +209,11 @@ class HostOffload:
     def applied(self, state):
         """(master, optimizer state, compute-dtype shards) with the pending update applied
         (nothing is donated)."""
-        p = state.pending
-        return self._update((p.grads, p.denom, p.norm, p.ok, p.value), state, False)[:3]
+        return self._update(tuple(state.pending), state, False)[:3]
 
     def applied_compute(self, state):
         """The compute params with the pending update applied (for evaluate)."""
-        shards = self._to_device(self.applied(state)[2])
+        shards = jax.device_put(self.applied(state)[2], self._moves()[1])
         return self._refresh_fn(False)(shards, state.compute)
 
     def settled(self, state):
@@ -235,23 +243,19 @@ class HostOffload:
         delayed = self._delays(state)
         n = self._last[1]
         if delayed:  # dispatched first: the host updates while the devices compute
-            p = state.pending
-            applied = self._update((p.grads, p.denom, p.norm, p.ok, p.value), state, True)
+            applied = self._update(tuple(state.pending), state, True)
         new, reduced, metrics = self._grads_fn()(self.device_part(state), batch)
+        to_host, to_devices = self._moves()
         grads, *scalars = reduced
-        reduced = (jax.device_put(grads, self.shardings(self.engine.state_specs().master)),
-                   *scalars)  # the scalars go with the update's (`_update`)
+        grads = jax.device_put(jax.tree.leaves(grads), to_host)
+        grads = jax.tree.unflatten(jax.tree.structure(reduced[0]), grads)
         if delayed:
             master, opt_state, shards, lr = applied
-            grads, denom, norm, finite, value = reduced
-            if finite is None:
-                finite = jnp.ones((), jnp.bool_)
-            pending = self._store_fn()((grads, *jax.device_put(
-                (denom, norm, finite, value), NamedSharding(self.mesh, P()))))
+            pending = self._store_fn()((grads, *self._host_scalars(scalars)))
         else:
-            master, opt_state, shards, lr = self._update(reduced, state, True)
+            master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
             pending = state.pending
-        compute = self._refresh_fn(True)(self._to_device(shards), state.compute)
+        compute = self._refresh_fn(True)(jax.device_put(shards, to_devices), state.compute)
         metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))
         new = new._replace(master=master, opt_state=opt_state, compute=compute, pending=pending)
         if self.k is not None:
