@@ -34,7 +34,6 @@ from zerojax.partition import Layout, LeafSpec, logical_shardings, manual, model
 from zerojax.precision import DTYPES, LossScale, init_loss_scale
 from zerojax.state import TrainState, check_state
 from zerojax.step import (
-    DEVICE,
     StepPlan,
     device_key,
     example_keys,
@@ -42,7 +41,6 @@ from zerojax.step import (
     local_step,
     on_device,
     split_loss,
-    to_memory,
 )
 from zerojax.units import RecordingUnits, make_handles
 from zerojax.update import ShardedUpdate, StepUpdate, as_transformation, takes_value
@@ -406,9 +404,8 @@ class Engine:
         check_state(self, state)
         master = self._delay.applied(state)[0] if self._delay else state.master
         if offload:  # read on the devices, as without offload
-            master = jax.device_put(master, self.view_shardings().master)
-        return self._jitted("params", lambda: jax.jit(
-            lambda m: layout.from_flat(to_memory(m, DEVICE) if offload else m)))(master)
+            master = jax.device_put(master, self._device_memory(self.view_shardings().master))
+        return self._jitted("params", lambda: jax.jit(layout.from_flat))(master)
 
     def model_state(self, state: TrainState) -> Any:
         """The logical model state (None for a model without `init_state`)."""
@@ -423,10 +420,15 @@ class Engine:
         check_state(self, state)
         opt_state = self._delay.applied(state)[1] if self._delay else state.opt_state
         if offload:
-            opt_state = jax.device_put(opt_state, self.view_shardings().opt_state)
-        plan = self.plan
-        return self._jitted("optimizer_state", lambda: jax.jit(lambda s: plan.update.logical(
-            to_memory(s, DEVICE) if offload else s)))(opt_state)
+            opt_state = jax.device_put(opt_state,
+                                       self._device_memory(self.view_shardings().opt_state))
+        return self._jitted("optimizer_state", lambda: jax.jit(self.plan.update.logical))(
+            opt_state)
+
+    @staticmethod
+    def _device_memory(shardings):
+        """`shardings` in device memory."""
+        return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
     def _jitted(self, name, make):
         """A jitted helper made once per plan: a fresh `jax.jit(lambda ...)` per call traces
