@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import host_mesh
+from zerojax.update.offload import across, host_mesh, twins
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -46,6 +46,7 @@ class HostOffload:
     def __init__(self, engine):
         self.engine = engine
         self.mesh = host_mesh(engine.mesh)
+        self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
         self.k = engine.config.delayed_update
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
@@ -79,6 +80,36 @@ class HostOffload:
         """A state built on the device mesh (the view's shardings) moved to its home, each
         leaf's device-mesh copy freed as it goes."""
         return self._moved(state, self.engine.state_shardings(), True)
+
+    def built(self, build, args):
+        """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
+        master, optimizer state (and pending update) by the host mesh's, the rest by the
+        devices', and the compute params from the new master's compute-dtype shards by the
+        step's refresh. So the host state is never in the devices' memory, nor in the pinned
+        host memory that XLA:GPU's pool keeps once it has held it. (XLA compiles the params'
+        random draw per program, so a draw may round otherwise in its last bits than the
+        one-program build's; from given params, as `init_from`, the two builds are bitwise the
+        same.)"""
+        eng = self.engine
+        homes = eng.state_shardings()
+        if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
+            return jax.jit(build, out_shardings=homes)(*args)
+
+        def host(*a):
+            state = build(*a)
+            shards = [m.astype(eng.plan.dtype) for m in jax.tree.leaves(state.master)]
+            return tuple(getattr(state, f) for f in HOSTED), shards
+
+        def device(*a):  # the params' computation is dead code here: only their shapes
+            state = self.device_part(build(*a))
+            return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute))
+
+        hosted, shards = jax.jit(host, out_shardings=(
+            tuple(getattr(homes, f) for f in HOSTED), self._moves()[0]))(
+            *jax.device_put(args, NamedSharding(self.mesh, P())))
+        state = jax.jit(device, out_shardings=self.device_part(homes))(*args)
+        compute = self._refresh_fn(True)(self.up(shards), state.compute)
+        return state._replace(compute=compute, **dict(zip(HOSTED, hosted, strict=True)))
 
     def to_view(self, state):
         """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
@@ -193,6 +224,14 @@ class HostOffload:
 
         return self._cached("moves", build)
 
+    def down(self, leaves: list) -> list:
+        """Gradient leaves from the devices' mesh (their pinned host memory) to the host mesh."""
+        return across(leaves, self._moves()[0], self._twins[0])
+
+    def up(self, shards: list) -> list:
+        """Compute-dtype shards from the host mesh to the devices' mesh."""
+        return across(shards, self._moves()[1], self._twins[1])
+
     def _host_scalars(self, scalars):
         """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""
         on = NamedSharding(self.mesh, P())
@@ -213,7 +252,7 @@ class HostOffload:
 
     def applied_compute(self, state):
         """The compute params with the pending update applied (for evaluate)."""
-        shards = jax.device_put(self.applied(state)[2], self._moves()[1])
+        shards = self.up(self.applied(state)[2])
         return self._refresh_fn(False)(shards, state.compute)
 
     def settled(self, state):
@@ -245,17 +284,15 @@ class HostOffload:
         if delayed:  # dispatched first: the host updates while the devices compute
             applied = self._update(tuple(state.pending), state, True)
         new, reduced, metrics = self._grads_fn()(self.device_part(state), batch)
-        to_host, to_devices = self._moves()
         grads, *scalars = reduced
-        grads = jax.device_put(jax.tree.leaves(grads), to_host)
-        grads = jax.tree.unflatten(jax.tree.structure(reduced[0]), grads)
+        grads = jax.tree.unflatten(jax.tree.structure(grads), self.down(jax.tree.leaves(grads)))
         if delayed:
             master, opt_state, shards, lr = applied
             pending = self._store_fn()((grads, *self._host_scalars(scalars)))
         else:
             master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
             pending = state.pending
-        compute = self._refresh_fn(True)(jax.device_put(shards, to_devices), state.compute)
+        compute = self._refresh_fn(True)(self.up(shards), state.compute)
         metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))
         new = new._replace(master=master, opt_state=opt_state, compute=compute, pending=pending)
         if self.k is not None:
