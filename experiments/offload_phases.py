@@ -7,6 +7,8 @@ gradient's move to the host mesh, the host's update, the compute-dtype shards' m
 the refresh. Run one by one here, their times say which one binds; the step's own time says
 how much of them overlaps. The moves are timed both ways jax can make them between two
 backends: a sharded `device_put`, and shard by shard (`offload.across`, what the engine uses).
+Last, the offloaded run's params against the run without offload on a small preset, so a
+wrong move or a wrongly aliased buffer between the backends shows as a number.
 
     .venv/bin/python experiments/offload_phases.py --preset 1b --batch 8 --out runs/phases.json
 """
@@ -93,6 +95,31 @@ def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
     return {k: statistics.median(v) for k, v in out.items()}, state
 
 
+def parity(preset: str = "test", steps: int = 4) -> float:
+    """The offloaded run's params against the run without offload on the same batches, as
+    their distance relative to how far the run moved them (stage 3, float32 compute: on a GPU
+    the two updates are compiled by different backends, so they agree to rounding, not
+    bitwise)."""
+    model = GPT.from_preset(preset)
+    mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    tokens = np.random.default_rng(1).integers(
+        0, model.cfg.vocab_size, (steps, 2, model.cfg.seq_len + 1), dtype=np.int32)
+    batches = [put_batch({"inputs": t[:, :-1], "targets": t[:, 1:]}, mesh) for t in tokens]
+    out = []
+    for offload in (None, "optimizer"):
+        eng = zj.Engine(model, optax.adamw(1e-3), mesh,
+                        zj.ZeroConfig(stage=3, clip_norm=1.0, offload=offload))
+        state = eng.init(jax.random.key(0), batches[0])
+        start = eng.params(state)
+        for b in batches:
+            state, _ = eng.step(state, b)
+        out.append((start, eng.params(state)))
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                     for x in jax.tree.leaves(t)])
+    (start, ref), (_, got) = out
+    return float(np.linalg.norm(flat(got) - flat(ref)) / np.linalg.norm(flat(ref) - flat(start)))
+
+
 def moves(gb: float, repeats: int) -> dict:
     """Plain moves of `gb` GB of float32 between the first device and its CPU twin, both ways,
     as a sharded `device_put` and shard by shard; the first device's own pinned host memory
@@ -133,6 +160,7 @@ def main(argv=None) -> dict:
     res["delayed_step_s"] = statistics.median(times[2:])
     del state
     res["moves"] = moves(args.move_gb, args.steps)
+    res["parity"] = parity()
     print(f"{res['device']}: {args.preset}, batch {args.batch}, offload stage 3 (medians, ms)")
     for k, v in res["phases_s"].items():
         print(f"  {k:<28}{1e3 * v:>9.1f}")
@@ -142,6 +170,8 @@ def main(argv=None) -> dict:
     gb = res["moves"]["bytes"] / 1e9
     for k, v in res["moves"]["seconds"].items():
         print(f"  {gb:.2f} GB {k:<36}{1e3 * v:>9.1f} ms  {gb / v:>7.2f} GB/s")
+    print(f"  offload against no offload, test preset, 4 steps: distance "
+          f"{res['parity']:.2e} of the run's movement")
     write_json(args.out, res)
     return res
 
