@@ -253,6 +253,55 @@ def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     assert_bitwise(apart.params(back), same.params(s0))
 
 
+@pytest.mark.slow  # an engine's init on two meshes, its host build compiled twice (~10 CPU s)
+def test_the_host_build_runs_in_parts_with_a_parts_temporaries(monkeypatch):
+    """With the host mesh apart (CPU devices 4-7 here, as a GPU's host), init builds the host
+    state in runs of its leaves (`runs`: at most 1/16 of the bytes each, or one leaf), so each
+    program's temporaries are its own part's random draw (at most 3.5x the part: its bits,
+    uniform and normal draws), measured from the compiled programs: as one program the build
+    held temporaries of half the host state or more."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zerojax.update.host as host
+
+    assert host.runs([4, 4, 4, 4], 2) == [[0, 1], [2, 3]]
+    assert host.runs([1, 9, 1, 1, 1], 4) == [[0], [1], [2, 3, 4]]
+    assert host.runs([], 4) == []
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    temps, jit = [], jax.jit
+
+    def measured(fn, **kw):
+        jitted = jit(fn, **kw)
+
+        def call(*args):
+            if fn.__name__ == "some":  # one part of the host build
+                m = jitted.lower(*args).compile().memory_analysis()
+                temps.append((m.temp_size_in_bytes, m.output_size_in_bytes))
+            return jitted(*args)
+        return call
+
+    eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload="optimizer"))
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    monkeypatch.setattr(host.jax, "jit", measured)
+    state = eng.init(jax.random.key(0), batch)
+    monkeypatch.setattr(host.jax, "jit", jit)
+    hosted = sum(x.addressable_shards[0].data.nbytes  # per host device
+                 for x in jax.tree.leaves((state.master, state.opt_state)))
+    one = jit(lambda r: (lambda s: (s.master, s.opt_state))(eng._to_state(
+        tiny_gpt().init(r), None, None)), out_shardings=tuple(
+        getattr(eng.state_shardings(), f) for f in ("master", "opt_state"))).lower(
+        jax.device_put(jax.random.key(0), NamedSharding(eng.host_mesh, P()))).compile()
+    one = one.memory_analysis().temp_size_in_bytes
+    # the parts' outputs are the host state (and a tuple's table of 8-byte pointers each)
+    assert len(temps) >= 8 and hosted <= sum(out for _, out in temps) <= 1.01 * hosted
+    assert one >= hosted / 2
+    assert max(temp / out for temp, out in temps) <= 3.5, temps
+
+
 def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
     """On a machine of accelerators each device of the mesh gets a CPU device of its process,
     in the mesh's shape and axes; too few CPU devices is one ConfigError naming the count and

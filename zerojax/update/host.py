@@ -24,6 +24,7 @@ update.
 
 from __future__ import annotations
 
+import math
 import weakref
 from functools import partial
 
@@ -86,7 +87,8 @@ class HostOffload:
         master, optimizer state (and pending update) by the host mesh's, the rest by the
         devices', and the compute params from the new master's compute-dtype shards by the
         step's refresh. So the host state is never in the devices' memory, nor in the pinned
-        host memory that XLA:GPU's pool keeps once it has held it. (XLA compiles the params'
+        host memory that XLA:GPU's pool keeps once it has held it; the host's program runs in
+        parts (`_by_parts`), so its temporaries are a part's, not the state's. (XLA compiles the params'
         random draw per program, so a draw may round otherwise in its last bits than the
         one-program build's; from given params, as `init_from`, the two builds are bitwise the
         same.)"""
@@ -97,16 +99,16 @@ class HostOffload:
 
         def host(*a):
             state = build(*a)
-            shards = [m.astype(eng.plan.dtype) for m in jax.tree.leaves(state.master)]
-            return tuple(getattr(state, f) for f in HOSTED), shards
+            return tuple(getattr(state, f) for f in HOSTED)
 
         def device(*a):  # the params' computation is dead code here: only their shapes
             state = self.device_part(build(*a))
             return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute))
 
-        hosted, shards = jax.jit(host, out_shardings=(
-            tuple(getattr(homes, f) for f in HOSTED), self._moves()[0]))(
-            *jax.device_put(args, NamedSharding(self.mesh, P())))
+        hosted = _by_parts(host, jax.device_put(args, NamedSharding(self.mesh, P())),
+                           tuple(getattr(homes, f) for f in HOSTED))
+        shards = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in jax.tree.leaves(m)],
+                         out_shardings=self._moves()[0])(hosted[0])
         state = jax.jit(device, out_shardings=self.device_part(homes))(*args)
         compute = self._refresh_fn(True)(self.up(shards), state.compute)
         return state._replace(compute=compute, **dict(zip(HOSTED, hosted, strict=True)))
@@ -317,3 +319,40 @@ class HostOffload:
         same = self.engine.plan.rdtype == self.engine.plan.dtype
         return self._update_fn(True, reduced[3] is not None, same).lower(
             reduced[1:], state.master, state.opt_state, reduced[0])
+
+
+PARTS = 16  # the host build's outputs in about this many programs
+
+
+def _by_parts(fn, args, shardings):
+    """`jax.jit(fn, out_shardings=shardings)(*args)` as a few programs, each giving a run of
+    consecutive output leaves of about 1/PARTS of the output bytes (or one leaf): XLA drops
+    what a part's leaves do not need, so a part's temporaries (the random draw of the params
+    it holds) are about its own size. As one program, XLA:CPU held temporaries as large as the
+    state itself (0.97x the host state, small8 preset, measured from `memory_analysis`)."""
+    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *args))
+    homes = tree.flatten_up_to(shardings)
+    out = [None] * len(shapes)
+    for part in runs([math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in shapes]):
+        def some(*a, part=part):
+            flat = jax.tree.leaves(fn(*a))
+            return [flat[i] for i in part]
+
+        for i, x in zip(part, jax.jit(some, out_shardings=[homes[i] for i in part])(*args),
+                        strict=True):
+            out[i] = x
+    return jax.tree.unflatten(tree, out)
+
+
+def runs(sizes: list[int], parts: int = PARTS) -> list[list[int]]:
+    """The indices of `sizes` in runs of consecutive ones, each of at most 1/`parts` of their
+    sum or a single one larger than that."""
+    budget = max(max(sizes, default=0), sum(sizes) / parts)
+    out, run, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if run and total + size > budget:
+            out.append(run)
+            run, total = [], 0
+        run.append(i)
+        total += size
+    return out + ([run] if run else [])
