@@ -409,7 +409,8 @@ class Engine:
         check_state(self, state)
         master = self._delay.applied(state)[0] if self._delay else state.master
         if offload:  # read on the devices, as without offload
-            master = jax.device_put(master, self._device_memory(self.view_shardings().master))
+            master = self._offload.to_devices(master, self._device_memory(
+                self.view_shardings().master))
         return self._jitted("params", lambda: jax.jit(layout.from_flat))(master)
 
     def model_state(self, state: TrainState) -> Any:

@@ -234,6 +234,12 @@ class HostOffload:
         """Compute-dtype shards from the host mesh to the devices' mesh."""
         return across(shards, self._moves()[1], self._twins[1])
 
+    def to_devices(self, tree, shardings):
+        """A tree of float arrays on the host mesh put on `shardings` of the devices' mesh."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, across(leaves, treedef.flatten_up_to(shardings),
+                                                  self._twins[1]))
+
     def _host_scalars(self, scalars):
         """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""
         on = NamedSharding(self.mesh, P())
