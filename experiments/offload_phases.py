@@ -69,25 +69,28 @@ def engine(preset: str, batch: int, delayed: int | None):
     return eng, eng.init(jax.random.key(0), data), data
 
 
+def clock(fn, *args) -> tuple[float, object]:
+    """(seconds, result) of `fn(*args)`, blocked."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0, out
+
+
 def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
     """Each program and move of an ordinary offloaded step, alone; the state stepped."""
     h = eng._offload
     out = {}
     for _ in range(repeats):
         t = {}
-        s, (new, reduced, _) = timed(lambda: h._grads_fn()(h.device_part(state), batch), 1)
-        t["gradients program"] = s
+        t["gradients program"], (new, reduced, _) = clock(h._grads_fn(), h.device_part(state),
+                                                          batch)
         grads, *scalars = reduced
-        s, leaves = timed(lambda: h.down(jax.tree.leaves(grads)), 1)
-        t["gradient to the host mesh"] = s
+        t["gradient to the host mesh"], leaves = clock(h.down, jax.tree.leaves(grads))
         grads = jax.tree.unflatten(jax.tree.structure(grads), leaves)
-        s, (master, opt_state, shards, _) = timed(
-            lambda: h._update((grads, *scalars), state, True), 1)
-        t["host update"] = s
-        s, shards = timed(lambda: h.up(shards), 1)
-        t["shards to the devices"] = s
-        s, compute = timed(lambda: h._refresh_fn(True)(shards, state.compute), 1)
-        t["refresh"] = s
+        t["host update"], (master, opt_state, shards, _) = clock(
+            h._update, (grads, *scalars), state, True)
+        t["shards to the devices"], shards = clock(h.up, shards)
+        t["refresh"], compute = clock(h._refresh_fn(True), shards, state.compute)
         state = new._replace(master=master, opt_state=opt_state, compute=compute,
                              pending=state.pending)
         for k, v in t.items():

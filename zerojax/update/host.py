@@ -88,10 +88,10 @@ class HostOffload:
         devices', and the compute params from the new master's compute-dtype shards by the
         step's refresh. So the host state is never in the devices' memory, nor in the pinned
         host memory that XLA:GPU's pool keeps once it has held it; the host's program runs in
-        parts (`_by_parts`), so its temporaries are a part's, not the state's. (XLA compiles the params'
-        random draw per program, so a draw may round otherwise in its last bits than the
-        one-program build's; from given params, as `init_from`, the two builds are bitwise the
-        same.)"""
+        parts (`_by_parts`), so its temporaries are a part's, not the state's. (XLA compiles
+        the params' random draw per program, so a draw may round otherwise in its last bits
+        than the one-program build's; from given params, as `init_from`, the two builds are
+        bitwise the same.)"""
         eng = self.engine
         homes = eng.state_shardings()
         if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
