@@ -766,7 +766,7 @@ def table(result: dict) -> str:
             f"{cfg['param_dtype']}  remat={cfg['remat']}  {cfg['repeats']}×"
             f"{cfg['steps_per_repeat']} steps  ({result['machine']['device_kind']})",
             f"{'variant':<18}{'median ms':>10}{'min':>8}{'max':>8}{base:>8}"
-            f"{'paired':>8}{'cpu ms':>8}{base:>8}{'tok/s':>9}{'MFU':>7}{'peak MB':>10}"]
+            f"{'paired':>8}{'cpu ms':>9}{base:>9}{'tok/s':>9}{'MFU':>7}{'peak MB':>10}"]
     for name, r in result["variants"].items():
         if r["status"] != "ok":
             rows.append(f"{name:<18}{'n/a':>10}  {r['reason']}")
@@ -776,7 +776,7 @@ def table(result: dict) -> str:
         peak = f"{r['device_peak_bytes'] / 1e6:.1f}" if "device_peak_bytes" in r else "-"
         rows.append(f"{name:<18}{r['median_s'] * 1e3:>10.1f}{r['min_s'] * 1e3:>8.1f}"
                     f"{r['max_s'] * 1e3:>8.1f}{r['ratio']:>8.3f}{r['paired_ratio']:>8.3f}"
-                    f"{r['cpu_s'] * 1e3:>8.0f}{r['cpu_ratio']:>8.3f}"
+                    f"{r['cpu_s'] * 1e3:>9.0f}{r['cpu_ratio']:>9.3f}"
                     f"{r['tokens_per_s']:>9.0f}{mfu:>7}{peak:>10}")
     rows += [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
              for k, v in result["targets"].items()]

@@ -59,8 +59,10 @@ def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
     return np.array(losses), params
 
 
-def engine_run(engine, batches, rng=0):
-    state = engine.init(jax.random.key(rng), batches[0])
+def engine_run(engine, batches, rng=0, params=None):
+    """`engine`'s run on `batches` from `engine.init(key(rng))`, or from `params` when given."""
+    state = engine.init(jax.random.key(rng), batches[0]) if params is None else \
+        engine.init_from(params, batches[0])
     losses, norms = [], []
     for b in batches:
         state, m = engine.step(state, b)

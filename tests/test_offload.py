@@ -69,13 +69,13 @@ def gpt_engine(n, stage, offload):
                      zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload=offload))
 
 
-def runs(engines, batches):
-    """Each engine's run on `batches`: [(losses, grad norms, params, state)]; the engines
-    stay in `runs.engines`."""
+def runs(engines, batches, params=None):
+    """Each engine's run on `batches` (from `params` when given): [(losses, grad norms, params,
+    state)]; the engines stay in `runs.engines`."""
     out, runs.engines = [], engines
     for eng in engines:
-        losses, params, state = engine_run(eng, batches)
-        out.append((losses, engine_run.norms, params, state))
+        losses, params_, state = engine_run(eng, batches, params=params)
+        out.append((losses, engine_run.norms, params_, state))
     return out
 
 
@@ -207,9 +207,11 @@ def test_checkpoints_cross_offload_and_device_counts(tmp_path):
 def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     """On a GPU the host mesh is the host's CPU devices, apart from the mesh. Here CPU devices
     4-7 stand in for them beside a mesh on 0-3, so every program meets only its own mesh's
-    arrays and every move between the two is a real copy: delayed steps, evaluate, params, the
+    arrays and every move between the two is a real copy: from the same params, the state's
+    build (each part by its own mesh's program), delayed steps, evaluate, params, the
     optimizer state, the startup table's bytes, a save and its restores give the numbers of
-    the run whose host mesh is the mesh itself."""
+    the run whose host mesh is the mesh itself. `init`'s random draw, compiled in the host
+    mesh's program, rounds otherwise in its last bits."""
     from jax.sharding import Mesh
 
     import zerojax.update.host as host
@@ -225,7 +227,12 @@ def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     monkeypatch.setattr(host, "host_mesh", twin)
     apart = zj.Engine(tiny_gpt(), adamw(), mesh, cfg)
     assert set(apart.host_mesh.devices.flat) == set(devices[4:8])
-    (l0, n0, p0, s0), (l1, n1, p1, s1) = runs([same, apart], batches[:3])
+    key = jax.random.key(0)
+    drawn = [e.params(e.init(key, batches[0])) for e in (same, apart)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2 ** -21, atol=0),
+                 drawn[1], drawn[0])  # a few float32 ulps (measured: 2, in 1 % of elements)
+    params = tiny_gpt().init(key)
+    (l0, n0, p0, s0), (l1, n1, p1, s1) = runs([same, apart], batches[:3], params)
     np.testing.assert_array_equal(l1, l0)
     np.testing.assert_array_equal(n1, n0)
     assert_bitwise(p1, p0)
@@ -244,6 +251,55 @@ def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     back, m1 = apart.step(back, batches[3])
     assert float(m1["loss"]) == float(m0["loss"])
     assert_bitwise(apart.params(back), same.params(s0))
+
+
+@pytest.mark.slow  # an engine's init on two meshes, its host build compiled twice (~10 CPU s)
+def test_the_host_build_runs_in_parts_with_a_parts_temporaries(monkeypatch):
+    """With the host mesh apart (CPU devices 4-7 here, as a GPU's host), init builds the host
+    state in runs of its leaves (`runs`: at most 1/16 of the bytes each, or one leaf), so each
+    program's temporaries are its own part's random draw (at most 3.5x the part: its bits,
+    uniform and normal draws), measured from the compiled programs: as one program the build
+    held temporaries of half the host state or more."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zerojax.update.host as host
+
+    assert host.runs([4, 4, 4, 4], 2) == [[0, 1], [2, 3]]
+    assert host.runs([1, 9, 1, 1, 1], 4) == [[0], [1], [2, 3, 4]]
+    assert host.runs([], 4) == []
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    temps, jit = [], jax.jit
+
+    def measured(fn, **kw):
+        jitted = jit(fn, **kw)
+
+        def call(*args):
+            if fn.__name__ == "some":  # one part of the host build
+                m = jitted.lower(*args).compile().memory_analysis()
+                temps.append((m.temp_size_in_bytes, m.output_size_in_bytes))
+            return jitted(*args)
+        return call
+
+    eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload="optimizer"))
+    batch = gpt_batch(tiny_gpt().cfg, 8, 0)
+    monkeypatch.setattr(host.jax, "jit", measured)
+    state = eng.init(jax.random.key(0), batch)
+    monkeypatch.setattr(host.jax, "jit", jit)
+    hosted = sum(x.addressable_shards[0].data.nbytes  # per host device
+                 for x in jax.tree.leaves((state.master, state.opt_state)))
+    one = jit(lambda r: (lambda s: (s.master, s.opt_state))(eng._to_state(
+        tiny_gpt().init(r), None, None)), out_shardings=tuple(
+        getattr(eng.state_shardings(), f) for f in ("master", "opt_state"))).lower(
+        jax.device_put(jax.random.key(0), NamedSharding(eng.host_mesh, P()))).compile()
+    one = one.memory_analysis().temp_size_in_bytes
+    # the parts' outputs are the host state (and a tuple's table of 8-byte pointers each)
+    assert len(temps) >= 8 and hosted <= sum(out for _, out in temps) <= 1.01 * hosted
+    assert one >= hosted / 2
+    assert max(temp / out for temp, out in temps) <= 3.5, temps
 
 
 def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
@@ -275,6 +331,38 @@ def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
                        rf"{n - 1} CPU device\(s\).*jax_num_cpu_devices', {n}\).*"
                        rf"xla_force_host_platform_device_count={n}"):
         host_mesh(accelerators((1, n)))
+
+
+@pytest.mark.parametrize("by_shard", [True, None])
+def test_arrays_cross_to_the_twin_mesh_shard_by_shard(by_shard):
+    """The moves between the mesh and the host mesh: between two backends (an accelerator's
+    and the CPU's) each shard goes to its twin device by itself and the array is assembled
+    there (`by_shard=True` forces that path here, where both meshes are CPU devices: 0-3 and
+    4-7 as replica 2 x data 2). Sharded, partly sharded and replicated leaves arrive with their
+    values, on the target shardings, and come back."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zerojax.update.offload import across, twins
+
+    devices = jax.devices()
+    a = Mesh(np.array(devices[:4]).reshape(2, 2), ("replica", "data"))
+    b = Mesh(np.array(devices[4:8]).reshape(2, 2), ("replica", "data"))
+    specs = [P(("replica", "data")), P("data"), P(), P(None, "data")]
+    values = [np.arange(8, dtype=np.float32) - 2.5, np.arange(6, dtype=np.float32).astype(
+        jnp.bfloat16), np.float32(3.0) * np.ones((3,), np.float32),
+        np.arange(12, dtype=np.float32).reshape(3, 4)]
+    xs = [jax.device_put(v, NamedSharding(a, s)) for v, s in zip(values, specs)]
+    there = [NamedSharding(b, s) for s in specs]
+    moved = across(xs, there, twins(a, b), by_shard)
+    for y, v, s in zip(moved, values, there):
+        assert y.sharding == s and y.dtype == v.dtype
+        np.testing.assert_array_equal(np.asarray(y), v)
+        assert {p.device for p in y.addressable_shards} == set(devices[4:8])
+    back = across(moved, [x.sharding for x in xs], twins(b, a), by_shard)
+    for y, x in zip(back, xs):
+        assert y.sharding == x.sharding
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
 @pytest.mark.parametrize("cfg, match", [

@@ -279,7 +279,7 @@ class Engine:
             state_key, train_key = _derived_keys(r)
             return self._to_state(self.model.init(r), train_key, self._init_state(state_key))
 
-        return self._home(jax.jit(build, out_shardings=self.view_shardings())(rng))
+        return self._built(build, rng)
 
     def init_from(self, params, batch, *, rng: jax.Array | None = None,
                   model_state: Any = None) -> TrainState:
@@ -306,8 +306,13 @@ class Engine:
                 model_state = self._init_state(state_key)
             return self._to_state(params, train_key, model_state)
 
-        return self._home(jax.jit(build, out_shardings=self.view_shardings())(
-            params, rng, model_state))
+        return self._built(build, params, rng, model_state)
+
+    def _built(self, build, *args) -> TrainState:
+        """The state `build(*args)` makes, jitted, each part where it lives."""
+        if self._offload is None:
+            return jax.jit(build, out_shardings=self.state_shardings())(*args)
+        return self._offload.built(build, args)
 
     def _home(self, state: TrainState) -> TrainState:
         """A state built on this engine's mesh moved where it lives (offload: the host mesh)."""
@@ -404,7 +409,8 @@ class Engine:
         check_state(self, state)
         master = self._delay.applied(state)[0] if self._delay else state.master
         if offload:  # read on the devices, as without offload
-            master = jax.device_put(master, self._device_memory(self.view_shardings().master))
+            master = self._offload.to_devices(master, self._device_memory(
+                self.view_shardings().master))
         return self._jitted("params", lambda: jax.jit(layout.from_flat))(master)
 
     def model_state(self, state: TrainState) -> Any:

@@ -24,6 +24,7 @@ update.
 
 from __future__ import annotations
 
+import math
 import weakref
 from functools import partial
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import host_mesh
+from zerojax.update.offload import across, host_mesh, twins
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -46,6 +47,7 @@ class HostOffload:
     def __init__(self, engine):
         self.engine = engine
         self.mesh = host_mesh(engine.mesh)
+        self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
         self.k = engine.config.delayed_update
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
@@ -79,6 +81,37 @@ class HostOffload:
         """A state built on the device mesh (the view's shardings) moved to its home, each
         leaf's device-mesh copy freed as it goes."""
         return self._moved(state, self.engine.state_shardings(), True)
+
+    def built(self, build, args):
+        """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
+        master, optimizer state (and pending update) by the host mesh's, the rest by the
+        devices', and the compute params from the new master's compute-dtype shards by the
+        step's refresh. So the host state is never in the devices' memory, nor in the pinned
+        host memory that XLA:GPU's pool keeps once it has held it; the host's program runs in
+        parts (`_by_parts`), so its temporaries are a part's, not the state's. (XLA compiles
+        the params' random draw per program, so a draw may round otherwise in its last bits
+        than the one-program build's; from given params, as `init_from`, the two builds are
+        bitwise the same.)"""
+        eng = self.engine
+        homes = eng.state_shardings()
+        if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
+            return jax.jit(build, out_shardings=homes)(*args)
+
+        def host(*a):
+            state = build(*a)
+            return tuple(getattr(state, f) for f in HOSTED)
+
+        def device(*a):  # the params' computation is dead code here: only their shapes
+            state = self.device_part(build(*a))
+            return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute))
+
+        hosted = _by_parts(host, jax.device_put(args, NamedSharding(self.mesh, P())),
+                           tuple(getattr(homes, f) for f in HOSTED))
+        shards = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in jax.tree.leaves(m)],
+                         out_shardings=self._moves()[0])(hosted[0])
+        state = jax.jit(device, out_shardings=self.device_part(homes))(*args)
+        compute = self._refresh_fn(True)(self.up(shards), state.compute)
+        return state._replace(compute=compute, **dict(zip(HOSTED, hosted, strict=True)))
 
     def to_view(self, state):
         """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
@@ -193,6 +226,20 @@ class HostOffload:
 
         return self._cached("moves", build)
 
+    def down(self, leaves: list) -> list:
+        """Gradient leaves from the devices' mesh (their pinned host memory) to the host mesh."""
+        return across(leaves, self._moves()[0], self._twins[0])
+
+    def up(self, shards: list) -> list:
+        """Compute-dtype shards from the host mesh to the devices' mesh."""
+        return across(shards, self._moves()[1], self._twins[1])
+
+    def to_devices(self, tree, shardings):
+        """A tree of float arrays on the host mesh put on `shardings` of the devices' mesh."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, across(leaves, treedef.flatten_up_to(shardings),
+                                                  self._twins[1]))
+
     def _host_scalars(self, scalars):
         """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""
         on = NamedSharding(self.mesh, P())
@@ -213,7 +260,7 @@ class HostOffload:
 
     def applied_compute(self, state):
         """The compute params with the pending update applied (for evaluate)."""
-        shards = jax.device_put(self.applied(state)[2], self._moves()[1])
+        shards = self.up(self.applied(state)[2])
         return self._refresh_fn(False)(shards, state.compute)
 
     def settled(self, state):
@@ -245,17 +292,15 @@ class HostOffload:
         if delayed:  # dispatched first: the host updates while the devices compute
             applied = self._update(tuple(state.pending), state, True)
         new, reduced, metrics = self._grads_fn()(self.device_part(state), batch)
-        to_host, to_devices = self._moves()
         grads, *scalars = reduced
-        grads = jax.device_put(jax.tree.leaves(grads), to_host)
-        grads = jax.tree.unflatten(jax.tree.structure(reduced[0]), grads)
+        grads = jax.tree.unflatten(jax.tree.structure(grads), self.down(jax.tree.leaves(grads)))
         if delayed:
             master, opt_state, shards, lr = applied
             pending = self._store_fn()((grads, *self._host_scalars(scalars)))
         else:
             master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
             pending = state.pending
-        compute = self._refresh_fn(True)(jax.device_put(shards, to_devices), state.compute)
+        compute = self._refresh_fn(True)(self.up(shards), state.compute)
         metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))
         new = new._replace(master=master, opt_state=opt_state, compute=compute, pending=pending)
         if self.k is not None:
@@ -280,3 +325,40 @@ class HostOffload:
         same = self.engine.plan.rdtype == self.engine.plan.dtype
         return self._update_fn(True, reduced[3] is not None, same).lower(
             reduced[1:], state.master, state.opt_state, reduced[0])
+
+
+PARTS = 16  # the host build's outputs in about this many programs
+
+
+def _by_parts(fn, args, shardings):
+    """`jax.jit(fn, out_shardings=shardings)(*args)` as a few programs, each giving a run of
+    consecutive output leaves of about 1/PARTS of the output bytes (or one leaf): XLA drops
+    what a part's leaves do not need, so a part's temporaries (the random draw of the params
+    it holds) are about its own size. As one program, XLA:CPU held temporaries as large as the
+    state itself (0.97x the host state, small8 preset, measured from `memory_analysis`)."""
+    shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *args))
+    homes = tree.flatten_up_to(shardings)
+    out = [None] * len(shapes)
+    for part in runs([math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in shapes]):
+        def some(*a, part=part):
+            flat = jax.tree.leaves(fn(*a))
+            return [flat[i] for i in part]
+
+        for i, x in zip(part, jax.jit(some, out_shardings=[homes[i] for i in part])(*args),
+                        strict=True):
+            out[i] = x
+    return jax.tree.unflatten(tree, out)
+
+
+def runs(sizes: list[int], parts: int = PARTS) -> list[list[int]]:
+    """The indices of `sizes` in runs of consecutive ones, each of at most 1/`parts` of their
+    sum or a single one larger than that."""
+    budget = max(max(sizes, default=0), sum(sizes) / parts)
+    out, run, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if run and total + size > budget:
+            out.append(run)
+            run, total = [], 0
+        run.append(i)
+        total += size
+    return out + ([run] if run else [])

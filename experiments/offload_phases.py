@@ -1,0 +1,183 @@
+"""Where an offloaded step's time goes: the engine's own programs and moves (update/host.py),
+each timed alone and blocked, on a GPT preset, beside the whole step without and with the
+delayed update and plain moves of `--move-gb` between the two backends.
+
+A step of `ZeroConfig(offload="optimizer")` is: the devices' gradients program, the
+gradient's move to the host mesh, the host's update, the compute-dtype shards' move back, and
+the refresh. Run one by one here, their times say which one binds; the step's own time says
+how much of them overlaps. The moves are timed both ways jax can make them between two
+backends: a sharded `device_put`, and shard by shard (`offload.across`, what the engine uses).
+Last, the offloaded run's params against the run without offload on a small preset, so a
+wrong move or a wrongly aliased buffer between the backends shows as a number.
+
+    .venv/bin/python experiments/offload_phases.py --preset 1b --batch 8 --out runs/phases.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # offload_overlap beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zerojax
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from offload_overlap import write_json  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.mesh import put_batch  # noqa: E402
+from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
+from zerojax.update.offload import across, host_mesh, twins  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=3, help="timed repeats of each phase and step")
+    p.add_argument("--move-gb", type=float, default=1.0, help="bytes of the plain moves, GB")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    return p.parse_args(argv)
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """(median seconds of `fn()` blocked, its last result)."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def engine(preset: str, batch: int, delayed: int | None):
+    model = GPT.from_preset(preset)
+    mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    cfg = zj.ZeroConfig(stage=3, param_dtype="bfloat16", remat=True, clip_norm=1.0,
+                        offload="optimizer", delayed_update=delayed)
+    eng = zj.Engine(model, optax.adamw(1e-4), mesh, cfg)
+    tokens = np.random.default_rng(0).integers(
+        0, model.cfg.vocab_size, (batch, model.cfg.seq_len + 1), dtype=np.int32)
+    data = put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+    return eng, eng.init(jax.random.key(0), data), data
+
+
+def clock(fn, *args) -> tuple[float, object]:
+    """(seconds, result) of `fn(*args)`, blocked."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0, out
+
+
+def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
+    """Each program and move of an ordinary offloaded step, alone; the state stepped."""
+    h = eng._offload
+    out = {}
+    for _ in range(repeats):
+        t = {}
+        t["gradients program"], (new, reduced, _) = clock(h._grads_fn(), h.device_part(state),
+                                                          batch)
+        grads, *scalars = reduced
+        t["gradient to the host mesh"], leaves = clock(h.down, jax.tree.leaves(grads))
+        grads = jax.tree.unflatten(jax.tree.structure(grads), leaves)
+        t["host update"], (master, opt_state, shards, _) = clock(
+            h._update, (grads, *scalars), state, True)
+        t["shards to the devices"], shards = clock(h.up, shards)
+        t["refresh"], compute = clock(h._refresh_fn(True), shards, state.compute)
+        state = new._replace(master=master, opt_state=opt_state, compute=compute,
+                             pending=state.pending)
+        for k, v in t.items():
+            out.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in out.items()}, state
+
+
+def parity(preset: str = "test", steps: int = 4) -> float:
+    """The offloaded run's params against the run without offload on the same batches, as
+    their distance relative to how far the run moved them (stage 3, float32 compute: on a GPU
+    the two updates are compiled by different backends, so they agree to rounding, not
+    bitwise)."""
+    model = GPT.from_preset(preset)
+    mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    tokens = np.random.default_rng(1).integers(
+        0, model.cfg.vocab_size, (steps, 2, model.cfg.seq_len + 1), dtype=np.int32)
+    batches = [put_batch({"inputs": t[:, :-1], "targets": t[:, 1:]}, mesh) for t in tokens]
+    out = []
+    for offload in (None, "optimizer"):
+        eng = zj.Engine(model, optax.adamw(1e-3), mesh,
+                        zj.ZeroConfig(stage=3, clip_norm=1.0, offload=offload))
+        state = eng.init(jax.random.key(0), batches[0])
+        start = eng.params(state)
+        for b in batches:
+            state, _ = eng.step(state, b)
+        out.append((start, eng.params(state)))
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                     for x in jax.tree.leaves(t)])
+    (start, ref), (_, got) = out
+    return float(np.linalg.norm(flat(got) - flat(ref)) / np.linalg.norm(flat(ref) - flat(start)))
+
+
+def moves(gb: float, repeats: int) -> dict:
+    """Plain moves of `gb` GB of float32 between the first device and its CPU twin, both ways,
+    as a sharded `device_put` and shard by shard; the first device's own pinned host memory
+    where it has one."""
+    mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    host = host_mesh(mesh)
+    n = int(gb * 1e9) // 4
+    kind = "pinned_host" if mesh.devices.flat[0].platform != "cpu" else None
+    x = jax.device_put(np.ones(n, np.float32), NamedSharding(mesh, P(), memory_kind=kind))
+    down, up = NamedSharding(host, P()), NamedSharding(mesh, P())
+    res = {}
+    for name, by_shard in (("sharded device_put", False), ("shard by shard", True)):
+        s, y = timed(lambda b=by_shard: across([x], [down], twins(mesh, host), b), repeats)
+        res[f"to the host mesh, {name}"] = s
+        s, _ = timed(lambda b=by_shard, y=y: across(y, [up], twins(host, mesh), b), repeats)
+        res[f"to the devices, {name}"] = s
+    return {"bytes": 4 * n, "seconds": res}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    res = {"device": jax.devices()[0].device_kind, "preset": args.preset, "batch": args.batch}
+    eng, state, batch = engine(args.preset, args.batch, None)
+    state, _ = eng.step(state, batch)  # compiled and warm
+    res["phases_s"], state = phases(eng, state, batch, args.steps)
+    for _ in range(args.steps):  # each step donates the state: stepped on, not repeated
+        t0 = time.perf_counter()
+        state, m = jax.block_until_ready(eng.step(state, batch))
+        res.setdefault("steps_s", []).append(time.perf_counter() - t0)
+    res["step_s"] = statistics.median(res.pop("steps_s"))
+    del state
+    eng, state, batch = engine(args.preset, args.batch, 0)
+    times = []
+    for _ in range(args.steps + 2):  # the first two: compile, then the first delayed step
+        t0 = time.perf_counter()
+        state, m = jax.block_until_ready(eng.step(state, batch))
+        times.append(time.perf_counter() - t0)
+    res["delayed_step_s"] = statistics.median(times[2:])
+    del state
+    res["moves"] = moves(args.move_gb, args.steps)
+    res["parity"] = parity()
+    print(f"{res['device']}: {args.preset}, batch {args.batch}, offload stage 3 (medians, ms)")
+    for k, v in res["phases_s"].items():
+        print(f"  {k:<28}{1e3 * v:>9.1f}")
+    print(f"  {'sum of the phases':<28}{1e3 * sum(res['phases_s'].values()):>9.1f}")
+    print(f"  {'the step':<28}{1e3 * res['step_s']:>9.1f}")
+    print(f"  {'the delayed step':<28}{1e3 * res['delayed_step_s']:>9.1f}")
+    gb = res["moves"]["bytes"] / 1e9
+    for k, v in res["moves"]["seconds"].items():
+        print(f"  {gb:.2f} GB {k:<36}{1e3 * v:>9.1f} ms  {gb / v:>7.2f} GB/s")
+    print(f"  offload against no offload, test preset, 4 steps: distance "
+          f"{res['parity']:.2e} of the run's movement")
+    write_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
