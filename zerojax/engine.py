@@ -218,7 +218,8 @@ class Engine:
     def view_shardings(self) -> TrainState:
         """NamedShardings of every state leaf on this engine's mesh, an offloaded master and
         optimizer state in its "pinned_host" memory: how the programs that read a whole
-        offloaded state on the devices (init, restore, the checkpoint layout) take it."""
+        offloaded state on the devices (restore, the checkpoint layout) take it; init builds
+        each part on its own mesh (`HostOffload.built`)."""
         is_spec = lambda x: isinstance(x, P)
         on = lambda kind: lambda s: NamedSharding(self.mesh, s, memory_kind=kind)
         specs = self.state_specs()
