@@ -48,6 +48,8 @@ class HostOffload:
         self.engine = engine
         self.mesh = host_mesh(engine.mesh)
         self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
+        # whether the two meshes are of two backends (a GPU's and the CPU's)
+        self._crosses = any(a.client is not b.client for a, b in self._twins[0].items())
         self.k = engine.config.delayed_update
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
@@ -66,8 +68,13 @@ class HostOffload:
     def _moved(self, state, shardings, free: bool):
         """`state` with its host leaves put on `shardings`; `free`: one leaf at a time, each
         source deleted once copied (the copy's peak is one leaf, not the host state; jax does
-        not donate across memory kinds)."""
+        not donate across memory kinds). From the devices' pinned host memory to the host mesh
+        of another backend, a leaf goes shard by shard, as the step's gradient does
+        (`offload.across`): read where it is, so there is nothing to copy or free."""
         def put(x, s):
+            if free and self._crosses and not jax.dtypes.issubdtype(x.dtype,
+                                                                    jax.dtypes.prng_key):
+                return across([x], [s], self._twins[0], True)[0]
             y = jax.device_put(x, s)
             if free and y is not x:  # (the same array where nothing moves)
                 y.block_until_ready()
