@@ -302,6 +302,34 @@ def test_the_host_build_runs_in_parts_with_a_parts_temporaries(monkeypatch):
     assert max(temp / out for temp, out in temps) <= 3.5, temps
 
 
+@pytest.mark.slow  # two engines on a hybrid mesh, one with its host mesh apart (~15 CPU s)
+def test_a_host_mesh_apart_builds_model_state_and_stage_1s_gathered_params(monkeypatch):
+    """The build on two meshes where the parts meet other features: model state (made by the
+    devices' program), stage 1 on replica 2 x data 2 (the compute params gathered by the
+    refresh, not cast) and a skip flag (fp16): from the same params, the state and three
+    steps are bitwise the run's whose host mesh is the mesh itself."""
+    from jax.sharding import Mesh
+
+    import zerojax.update.host as host
+
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=2, replica=2, devices=devices[:4])
+    cfg = zj.ZeroConfig(stage=1, offload="optimizer", param_dtype="float16")
+    model = Norm(zj.batch_axes(mesh))
+    same = zj.Engine(model, optax.adam(1e-2, eps=1e-6), mesh, cfg)
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    apart = zj.Engine(model, optax.adam(1e-2, eps=1e-6), mesh, cfg)
+    params = model.init(jax.random.key(0))
+    (l0, _, p0, s0), (l1, _, p1, s1) = runs([same, apart], BATCHES[:3], params)
+    np.testing.assert_array_equal(l1, l0)
+    assert_bitwise(p1, p0)
+    assert_bitwise(s1.model_state, s0.model_state)
+    assert_bitwise(s1.compute, s0.compute)
+    assert int(s1.model_state["count"]) > 0  # the steps fp16's loss scale did not skip
+    assert {x.sharding.mesh for x in jax.tree.leaves(s1.master)} == {apart.host_mesh}
+
+
 def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
     """On a machine of accelerators each device of the mesh gets a CPU device of its process,
     in the mesh's shape and axes; too few CPU devices is one ConfigError naming the count and
@@ -333,17 +361,18 @@ def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
         host_mesh(accelerators((1, n)))
 
 
-@pytest.mark.parametrize("by_shard", [True, None])
+@pytest.mark.parametrize("by_shard", [True, False])
 def test_arrays_cross_to_the_twin_mesh_shard_by_shard(by_shard):
     """The moves between the mesh and the host mesh: between two backends (an accelerator's
     and the CPU's) each shard goes to its twin device by itself and the array is assembled
     there (`by_shard=True` forces that path here, where both meshes are CPU devices: 0-3 and
-    4-7 as replica 2 x data 2). Sharded, partly sharded and replicated leaves arrive with their
-    values, on the target shardings, and come back."""
+    4-7 as replica 2 x data 2, one backend, so `crosses` is False). Sharded, partly sharded and
+    replicated leaves arrive with their values, on the target shardings, and come back; a
+    PRNG key array moves whole."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zerojax.update.offload import across, twins
+    from zerojax.update.offload import across, crosses, twins
 
     devices = jax.devices()
     a = Mesh(np.array(devices[:4]).reshape(2, 2), ("replica", "data"))
@@ -354,6 +383,7 @@ def test_arrays_cross_to_the_twin_mesh_shard_by_shard(by_shard):
         np.arange(12, dtype=np.float32).reshape(3, 4)]
     xs = [jax.device_put(v, NamedSharding(a, s)) for v, s in zip(values, specs)]
     there = [NamedSharding(b, s) for s in specs]
+    assert not crosses(twins(a, b))
     moved = across(xs, there, twins(a, b), by_shard)
     for y, v, s in zip(moved, values, there):
         assert y.sharding == s and y.dtype == v.dtype
@@ -363,6 +393,11 @@ def test_arrays_cross_to_the_twin_mesh_shard_by_shard(by_shard):
     for y, x in zip(back, xs):
         assert y.sharding == x.sharding
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    # a PRNG key array (an optimizer state may hold one) moves whole, with its key data
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 4), NamedSharding(a, specs[0]))
+    [moved] = across([keys], [there[0]], twins(a, b), by_shard)
+    assert moved.sharding == there[0]
+    np.testing.assert_array_equal(jax.random.key_data(moved), jax.random.key_data(keys))
 
 
 @pytest.mark.parametrize("cfg, match", [

@@ -427,8 +427,8 @@ class Engine:
         check_state(self, state)
         opt_state = self._delay.applied(state)[1] if self._delay else state.opt_state
         if offload:
-            opt_state = jax.device_put(opt_state,
-                                       self._device_memory(self.view_shardings().opt_state))
+            opt_state = self._offload.to_devices(opt_state, self._device_memory(
+                self.view_shardings().opt_state))
         return self._jitted("optimizer_state", lambda: jax.jit(self.plan.update.logical))(
             opt_state)
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import across, host_mesh, twins
+from zerojax.update.offload import across, crosses, host_mesh, twins
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -48,8 +48,7 @@ class HostOffload:
         self.engine = engine
         self.mesh = host_mesh(engine.mesh)
         self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
-        # whether the two meshes are of two backends (a GPU's and the CPU's)
-        self._crosses = any(a.client is not b.client for a, b in self._twins[0].items())
+        self._crosses = crosses(self._twins[0])  # a GPU's mesh and the CPU's: by shard
         self.k = engine.config.delayed_update
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
@@ -72,8 +71,7 @@ class HostOffload:
         of another backend, a leaf goes shard by shard, as the step's gradient does
         (`offload.across`): read where it is, so there is nothing to copy or free."""
         def put(x, s):
-            if free and self._crosses and not jax.dtypes.issubdtype(x.dtype,
-                                                                    jax.dtypes.prng_key):
+            if free and self._crosses:
                 return across([x], [s], self._twins[0], True)[0]
             y = jax.device_put(x, s)
             if free and y is not x:  # (the same array where nothing moves)
@@ -235,17 +233,17 @@ class HostOffload:
 
     def down(self, leaves: list) -> list:
         """Gradient leaves from the devices' mesh (their pinned host memory) to the host mesh."""
-        return across(leaves, self._moves()[0], self._twins[0])
+        return across(leaves, self._moves()[0], self._twins[0], self._crosses)
 
     def up(self, shards: list) -> list:
         """Compute-dtype shards from the host mesh to the devices' mesh."""
-        return across(shards, self._moves()[1], self._twins[1])
+        return across(shards, self._moves()[1], self._twins[1], self._crosses)
 
     def to_devices(self, tree, shardings):
-        """A tree of float arrays on the host mesh put on `shardings` of the devices' mesh."""
+        """A tree on the host mesh put on `shardings` of the devices' mesh."""
         leaves, treedef = jax.tree.flatten(tree)
         return jax.tree.unflatten(treedef, across(leaves, treedef.flatten_up_to(shardings),
-                                                  self._twins[1]))
+                                                  self._twins[1], self._crosses))
 
     def _host_scalars(self, scalars):
         """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""

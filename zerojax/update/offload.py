@@ -62,21 +62,26 @@ def twins(src: Mesh, dst: Mesh) -> dict:
     return dict(zip(src.devices.flat, dst.devices.flat, strict=True))
 
 
-def across(xs: list, shardings: list, twin: dict, by_shard: bool | None = None) -> list:
+def crosses(twin: dict) -> bool:
+    """Whether `twin` pairs devices of two backends (an accelerator's and the CPU's)."""
+    return any(a.client is not b.client for a, b in twin.items())
+
+
+def across(xs: list, shardings: list, twin: dict, by_shard: bool) -> list:
     """Arrays on one mesh put on `shardings` of its twin mesh (`twin`: device to device).
 
-    Between two backends (an accelerator's and the CPU's) each shard moves by itself, as a
+    `by_shard` (between two backends, `crosses(twin)`): each shard moves by itself, as a
     single-device array onto its twin device, and the array is assembled from the moved
     shards. Measured on an H100's host (docs/performance.md): a single-device array in the
     GPU's pinned host memory reached a CPU device at once (1 GB in 0.6 ms: read where it
     is), and a CPU one reached the GPU at 9 GB/s, where a sharded `device_put` between the
-    two backends moved 1.1-1.3 GB/s either way. On one backend (CPU devices, or the mesh
-    itself) a plain `device_put`; `by_shard` overrides.
+    two backends moved 1.1-1.3 GB/s either way. Otherwise, and for a PRNG key array (its
+    shards are not assembled so), a plain `device_put`.
     """
-    if by_shard is None:
-        by_shard = any(a.client is not b.client for a, b in twin.items())
-    if not by_shard:
-        return jax.device_put(xs, shardings)
-    return [jax.make_array_from_single_device_arrays(
-        x.shape, s, [jax.device_put(p.data, twin[p.device]) for p in x.addressable_shards])
-        for x, s in zip(xs, shardings, strict=True)]
+    def put(x, s):
+        if not by_shard or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.device_put(x, s)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, s, [jax.device_put(p.data, twin[p.device]) for p in x.addressable_shards])
+
+    return [put(x, s) for x, s in zip(xs, shardings, strict=True)]
