@@ -13,6 +13,7 @@ from test_offload import learn_units
 
 import zerojax as zj
 import zerojax.update.parts as parts_module
+from zerojax.update import presets
 from zerojax.update.reps import Flat
 
 
@@ -87,14 +88,19 @@ def test_each_part_runs_in_place(in_parts):
         assert aliased == set(range(first, first + donated)), (part.params, aliased)
 
 
-@pytest.mark.parametrize("cfg", [{}, {"param_dtype": "float16"}], ids=["f32", "fp16 skip"])
-def test_the_parts_give_the_one_programs_numbers(in_parts, cfg):
+@pytest.mark.parametrize("opt, cfg", [
+    ("adamw", {}), ("adamw", {"param_dtype": "float16"}),
+    ("muon", {})], ids=["f32", "fp16 skip", "muon: whole matrices on owner devices"])
+def test_the_parts_give_the_one_programs_numbers(in_parts, opt, cfg):
     """The same update as one program and as parts on the same state and gradient: the
     optimizer state bitwise, the master to two ulps of its update and of its value (XLA
     fuses a part's leaves otherwise than the whole's: measured on a fifth of one leaf's
     elements), the shards their own master in the compute dtype. With
-    fp16's skip flag the parts branch as the one program does."""
-    eng = engine(optax.adamw(1e-2, weight_decay=0.1), **cfg)
+    fp16's skip flag the parts branch as the one program does; Muon's Newton-Schulz runs on
+    the owner devices of each part's matrices, its products rounding otherwise (by distance
+    relative to the update)."""
+    eng = engine(optax.adamw(1e-2, weight_decay=0.1) if opt == "adamw" else
+                 presets.build("muon", 1e-2, weight_decay=0.1), **cfg)
     batch = gpt_batch(tiny_gpt().cfg, 8, 0)
     state = eng.init(jax.random.key(0), batch)
     state, _ = eng.step(state, batch)
@@ -109,13 +115,19 @@ def test_the_parts_give_the_one_programs_numbers(in_parts, cfg):
     one = off._update_fn(False, finite, False)(scalars, state.master, state.opt_state, grads)
     parted = off._parted(scalars, state, grads, False, False)
     jax.tree.map(np.testing.assert_array_equal, parted[1], one[1])
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                     for x in jax.tree.leaves(t)])
     for a, b, start in zip(jax.tree.leaves(parted[0]), jax.tree.leaves(one[0]),
                            jax.tree.leaves(state.master)):
         a, b, start = (np.asarray(x, np.float64) for x in (a, b, start))
         assert np.abs(b - start).max() > 0  # the update moved every leaf
-        # two ulps of the update (its last roundings; measured 1.25) and of the sum
-        assert np.all(np.abs(a - b) <= 2 ** -22 * (np.abs(b - start) + np.abs(b))), \
-            np.abs(a - b).max()
+        if opt == "adamw":  # two ulps of the update (measured 1.25) and of the sum
+            assert np.all(np.abs(a - b) <= 2 ** -22 * (np.abs(b - start) + np.abs(b))), \
+                np.abs(a - b).max()
+    # Newton-Schulz's matrix products sum in another order in a smaller program, and its
+    # polynomial amplifies that: by distance relative to the update (measured 5.5e-7)
+    distance = np.linalg.norm(flat(parted[0]) - flat(one[0]))
+    assert distance <= 1e-5 * np.linalg.norm(flat(one[0]) - flat(state.master))
     for shards, master in ((parted[2], parted[0]), (one[2], one[0])):  # each its own master
         for s, m in zip(shards, jax.tree.leaves(master), strict=True):
             np.testing.assert_array_equal(np.asarray(s), np.asarray(m).astype(s.dtype))
