@@ -12,8 +12,8 @@ Modules: reps.py (how a value lives on the devices; the flat layout's index arit
 interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan, while),
 program.py (ops, rounds, fused collectives), owners.py and evaluate.py (owner regions),
 placement.py (which device owns which instance, balanced by FLOPs), exchange.py (a wave of
-owner groups as ops), offload.py, presets.py (the command line's named optimizers and state
-sizes).
+owner groups as ops), offload.py, parts.py (the update as parts of disjoint leaves, for
+offload's host), presets.py (the command line's named optimizers and state sizes).
 
 Optimizer state: a leaf that the update computes elementwise from the params or gradients is
 stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,
@@ -38,6 +38,7 @@ from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
 from zerojax.update.offload import DEVICE, HOST, to_memory
 from zerojax.update.owners import Owners
+from zerojax.update.parts import Part, split
 from zerojax.update.placement import loads
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Flat, Phys, from_pieces, leaf_phys, pad_global
@@ -237,6 +238,26 @@ class ShardedUpdate:
                 shards=self.shards, axis=self.axis,
                 hooks=Owners(self.layout.model) if self.shards > 1 and self.owners else None)
             self._programs[key] = (prog, treedef, planner)
+        return self._programs[key]
+
+    def parts(self, finite: bool, gdtypes) -> list[tuple[Part, Program]]:
+        """The update as parts that read and write disjoint leaves (parts.py), each planned
+        over the shards: one part where the optimizer ties every leaf to every other."""
+        gdtypes = tuple(jnp.dtype(d) for d in gdtypes)
+        key = ("parts", finite, gdtypes)
+        if key not in self._programs:
+            closed, _ = self._trace(finite, gdtypes)
+            n = len(self.param_reps)
+            sizes = [math.prod(leaf.shape) for leaf in self.layout.leaves]
+            ins = self._in_reps(self.state_reps, finite)
+            outs = self._out_reps(self.state_reps)
+            hooks = lambda: Owners(self.layout.model) if self.shards > 1 and self.owners else None
+            self._programs[key] = [
+                (part, shard_jaxpr(part.closed, [ins[i] for i in part.inputs],
+                                   [outs[o] for o in part.outputs], shards=self.shards,
+                                   axis=self.axis, hooks=hooks())[0])
+                for part in split(closed, n, len(ins) - len(self.state_reps) - 2 * n,
+                                  [isinstance(r, Flat) for r in self.state_reps], sizes)]
         return self._programs[key]
 
     # ------------------------------------------------------------------ the step

@@ -36,6 +36,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
 from zerojax.update.offload import across, crosses, host_mesh, twins
+from zerojax.update.parts import runs
+from zerojax.update.reps import Flat
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -50,6 +52,7 @@ class HostOffload:
         self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
         self._crosses = crosses(self._twins[0])  # a GPU's mesh and the CPU's: by shard
         self.k = engine.config.delayed_update
+        self._order: list[int] = []  # the params' order in the update's parts (`_parted`)
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
     # ------------------------------------------------------------ placement
@@ -192,6 +195,51 @@ class HostOffload:
 
         return self._cached(("update", donate, finite, grads_too), build)
 
+    def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool):
+        """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
+        its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
+        a program of the host mesh of its own: [(part, its program)]. `donate` as
+        `_update_fn`'s; a replicated state leaf (read by every part) is not donated."""
+        eng = self.engine
+
+        def build():
+            _, reduced, shards, full = self._specs()
+            specs = eng._manual_specs()
+            leaves = lambda tree: jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
+            master, opt = leaves(specs.master), leaves(specs.opt_state)
+            master_homes, state_homes = leaves(full.master), leaves(full.opt_state)
+            sharded = [isinstance(r, Flat) for r in eng.plan.update.state_reps]
+            scalars = (*reduced[1:3], *([P()] if finite else []), P())
+            shared = [j for j, s in enumerate(sharded) if not s]
+            out = []
+            for part, prog in eng.plan.update.parts(finite, gdtypes):
+                mine = sorted((*part.owned, *part.writes))
+
+                def body(scalars, shared_, master_, own, grads, part=part, prog=prog,
+                         shared=shared, mine=mine):
+                    state = dict(zip(shared, shared_, strict=True))
+                    state.update(zip(part.owned, own, strict=True))
+                    outs = prog(*grads, *scalars, *(state[j] for j in sorted(state)), *master_)
+                    k, j = len(part.params), len(part.params) + len(mine)
+                    return outs[:k], outs[k:j], outs[j:]
+
+                fn = jax.shard_map(
+                    body, mesh=self.mesh, axis_names=frozenset(eng.axes), check_vma=True,
+                    in_specs=(scalars, [opt[j] for j in shared],
+                              [master[i] for i in part.params], [opt[j] for j in part.owned],
+                              [master[i] for i in part.params]),
+                    out_specs=([master[i] for i in part.params], [opt[j] for j in mine],
+                               [shards[i] for i in part.params]))
+                on = lambda specs: [NamedSharding(self.mesh, s) for s in specs]
+                donated = ((2, 3, 4) if grads_too else (2, 3)) if donate else ()
+                out.append((part, jax.jit(fn, donate_argnums=donated, keep_unused=True,
+                                          out_shardings=(
+                                              on(master_homes[i] for i in part.params),
+                                              on(state_homes[j] for j in mine), None))))
+            return out
+
+        return self._cached(("parts", donate, finite, tuple(gdtypes), grads_too), build)
+
     def _refresh_fn(self, donate: bool):
         eng = self.engine
 
@@ -236,8 +284,16 @@ class HostOffload:
         return across(leaves, self._moves()[0], self._twins[0], self._crosses)
 
     def up(self, shards: list) -> list:
-        """Compute-dtype shards from the host mesh to the devices' mesh."""
-        return across(shards, self._moves()[1], self._twins[1], self._crosses)
+        """Compute-dtype shards from the host mesh to the devices' mesh, in the order the
+        update's parts give them (`_parted`)."""
+        order = self._order if len(self._order) == len(shards) else range(len(shards))
+        homes = self._moves()[1]
+        moved = across([shards[i] for i in order], [homes[i] for i in order], self._twins[1],
+                       self._crosses)
+        out = [None] * len(shards)
+        for i, x in zip(order, moved, strict=True):
+            out[i] = x
+        return out
 
     def to_devices(self, tree, shardings):
         """A tree on the host mesh put on `shardings` of the devices' mesh."""
@@ -255,8 +311,37 @@ class HostOffload:
         scalars = self._host_scalars(scalars)
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
-        fn = self._update_fn(donate, scalars[2] is not None, same)
+        finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
+        if len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
+            return self._parted(scalars, state, grads, donate, same)
+        fn = self._update_fn(donate, finite, same)
         return fn(scalars, state.master, state.opt_state, grads)
+
+    def _parted(self, scalars, state, grads, donate: bool, same: bool):
+        """`_update` as its parts (parts.py), each a program dispatched in turn. On a GPU's
+        host `up` then sends each part's shards as soon as that part is done, while the later
+        parts update (`_order`); on CPU devices the parts cost what the one program did
+        (docs/performance.md)."""
+        master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
+        g = jax.tree.leaves(grads)
+        finite = scalars[2] is not None
+        scalars = tuple(x for x in scalars if x is not None)
+        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same)
+        sharded = [isinstance(r, Flat) for r in self.engine.plan.update.state_reps]
+        shared = [opt[j] for j, s in enumerate(sharded) if not s]
+        new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)
+        for part, fn in parts:
+            m, o, s = fn(scalars, shared, [master[i] for i in part.params],
+                         [opt[j] for j in part.owned], [g[i] for i in part.params])
+            for i, a, b in zip(part.params, m, s, strict=True):
+                new_master[i], shards[i] = a, b
+            for j, x in zip(sorted((*part.owned, *part.writes)), o, strict=True):
+                new_opt[j] = x
+        new_opt = jax.tree.unflatten(jax.tree.structure(state.opt_state), new_opt)
+        self._order = [i for part, _ in parts for i in part.params]
+        lr = learning_rate(new_opt)
+        return (jax.tree.unflatten(jax.tree.structure(state.master), new_master), new_opt,
+                shards, {} if lr is None else {"lr": lr})
 
     def applied(self, state):
         """(master, optimizer state, compute-dtype shards) with the pending update applied
@@ -344,7 +429,8 @@ def _by_parts(fn, args, shardings):
     shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *args))
     homes = tree.flatten_up_to(shardings)
     out = [None] * len(shapes)
-    for part in runs([math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in shapes]):
+    for part in runs([math.prod(x.shape) * getattr(x.dtype, "itemsize", 8) for x in shapes],
+                     PARTS):
         def some(*a, part=part):
             flat = jax.tree.leaves(fn(*a))
             return [flat[i] for i in part]
@@ -353,17 +439,3 @@ def _by_parts(fn, args, shardings):
                         strict=True):
             out[i] = x
     return jax.tree.unflatten(tree, out)
-
-
-def runs(sizes: list[int], parts: int = PARTS) -> list[list[int]]:
-    """The indices of `sizes` in runs of consecutive ones, each of at most 1/`parts` of their
-    sum or a single one larger than that."""
-    budget = max(max(sizes, default=0), sum(sizes) / parts)
-    out, run, total = [], [], 0
-    for i, size in enumerate(sizes):
-        if run and total + size > budget:
-            out.append(run)
-            run, total = [], 0
-        run.append(i)
-        total += size
-    return out + ([run] if run else [])

@@ -1,0 +1,153 @@
+"""The update as parts that read and write disjoint leaves, each its own program.
+
+The step's update (`step_update`, traced once on logical shapes) is one jaxpr from (gradients,
+scalars, optimizer state, master) to (master, optimizer state, compute-dtype shards). Most
+optimizers compute each param's new value from that param's own leaves (AdamW, Lion, LAMB's
+per-leaf trust ratio, Adafactor's factored moments, Muon's per-matrix Newton-Schulz); a global
+norm computed inside the optimizer (`optax.clip_by_global_norm` in the chain) ties every leaf
+to every other. `split` finds the finest grouping the jaxpr allows by dead-code elimination:
+for each param (and each sharded optimizer-state leaf) the inputs its outputs read; the
+replicated state leaves (counts, injected hyperparameters) and the step's scalars are read by
+every part and written by one. A part is then the jaxpr with the other parts' outputs dropped,
+so it is the same equations and gives the same numbers.
+
+Offload runs the parts (host.py): each part is dispatched as its own program of the CPU
+backend, and on a GPU's host each part's shards start their way to the devices as soon as that
+part is done, while the later parts update. An optimizer that ties every leaf to every other,
+or a model of fewer than 2 x LEAST params, is one part: the one program, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public form in jax 0.10
+from jax.extend import core as jcore
+
+PARTS = 8  # the update in about this many parts, by bytes
+LEAST = 1 << 24  # params in a part at least (or one group): below, one program costs less
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of the update: its params (indices into the params' leaves), the sharded
+    optimizer-state leaves it owns, the replicated ones it writes (indices into the state's
+    leaves), and its jaxpr, whose inputs are (the part's gradients, the scalars, every
+    replicated state leaf and its own sharded ones in state order, the part's master) and
+    outputs (the part's master, its state leaves in state order, the part's shards)."""
+
+    params: tuple[int, ...]
+    owned: tuple[int, ...]  # sharded state leaves: read and written by this part only
+    writes: tuple[int, ...]  # replicated state leaves this part computes
+    closed: jcore.ClosedJaxpr
+    inputs: tuple[int, ...]  # into the whole jaxpr's inputs
+    outputs: tuple[int, ...]  # into the whole jaxpr's outputs
+
+
+def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
+          parts: int = PARTS, least: int | None = None) -> list[Part]:
+    """`closed`'s update as at most about `parts` parts of similar size (`sizes`: elements per
+    param), each of at least `least` elements (default LEAST) or one group of leaves that the
+    update ties together.
+
+    `closed`'s inputs: n gradients, s scalars, the state's leaves (`sharded[j]`: leaf j is
+    stored like the params, else replicated), n master leaves; outputs: n master leaves, the
+    state's leaves, n shards."""
+    m = len(sharded)
+    jaxpr = closed.jaxpr
+    n_in, n_out = 2 * n + s + m, 2 * n + m
+    assert len(jaxpr.invars) == n_in and len(jaxpr.outvars) == n_out, (n_in, n_out)
+
+    # Nodes: params 0..n-1, then sharded state leaves n+j. Replicated state leaves and the
+    # scalars are shared: every part may read them.
+    def node_of_input(i):
+        if i < n:
+            return i
+        if n + s <= i < n + s + m:
+            j = i - n - s
+            return n + j if sharded[j] else None
+        if i >= n + s + m:
+            return i - (n + s + m)
+        return None
+
+    def reads(outs):
+        used = [False] * n_out
+        for o in outs:
+            used[o] = True
+        _, used_in = pe.dce_jaxpr(jaxpr, used)
+        return {node_of_input(i) for i, u in enumerate(used_in) if u} - {None}
+
+    parent = list(range(n + m))
+
+    def find(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    def union(nodes):
+        roots = sorted({find(a) for a in nodes})
+        for r in roots[1:]:
+            parent[r] = roots[0]
+        return roots[0] if roots else None
+
+    for i in range(n):
+        union({i, *reads([i, n + m + i])})
+    for j in range(m):
+        if sharded[j]:
+            union({n + j, *reads([n + j])})
+    with_params = {find(i) for i in range(n)}
+    for j in range(m):  # a sharded leaf that no param reads or writes: with the first part
+        if sharded[j] and find(n + j) not in with_params:
+            union({0, n + j})
+    writer = {}  # replicated state leaf -> a node of the part that computes it
+    for j in range(m):
+        if not sharded[j]:
+            writer[j] = union(reads([n + j]))
+    groups: dict[int, list[int]] = {}
+    for a in range(n):
+        groups.setdefault(find(a), []).append(a)
+    order = sorted(groups, key=lambda r: groups[r][0])
+    if not order:
+        return []
+    runs_ = runs([sum(sizes[i] for i in groups[r]) for r in order], parts,
+                 LEAST if least is None else least)
+    owner = {}  # root -> part index
+    for k, run in enumerate(runs_):
+        for g in run:
+            owner[order[g]] = k
+    out = []
+    for k in range(len(runs_)):
+        params = tuple(i for i in range(n) if owner[find(i)] == k)
+        owned = tuple(j for j in range(m) if sharded[j] and owner.get(find(n + j)) == k)
+        writes = tuple(j for j in range(m) if not sharded[j]
+                       and owner[find(writer[j]) if writer[j] is not None else order[0]] == k)
+        ins = (*params, *range(n, n + s),
+               *(n + s + j for j in range(m) if not sharded[j] or j in owned),
+               *(n + s + m + i for i in params))
+        outs = (*params, *(n + j for j in sorted((*owned, *writes))),
+                *(n + m + i for i in params))
+        used = [False] * n_out
+        for o in outs:
+            used[o] = True
+        keep = [False] * n_in
+        for i in ins:
+            keep[i] = True
+        sub, used_in = pe.dce_jaxpr(jaxpr, used, instantiate=keep)
+        assert [i for i, u in enumerate(used_in) if u] == list(ins), "a part reads another's"
+        out.append(Part(params, owned, writes, jcore.ClosedJaxpr(sub, closed.consts), ins, outs))
+    return out
+
+
+def runs(sizes: list[int], parts: int, least: int = 0) -> list[list[int]]:
+    """The indices of `sizes` in runs of consecutive ones, each of at most 1/`parts` of their
+    sum (or `least`) or a single one larger than that."""
+    budget = max(max(sizes, default=0), sum(sizes) / parts, least)
+    out, run, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if run and total + size > budget:
+            out.append(run)
+            run, total = [], 0
+        run.append(i)
+        total += size
+    return out + ([run] if run else [])
