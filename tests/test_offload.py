@@ -678,3 +678,41 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
                 for b, c in zip(jax.tree.leaves(p0), start))
     assert np.sqrt(diff / moved) < 1e-3
     assert_placement(runs.engines[-1], state)
+
+
+@pytest.mark.parametrize("offload", [None, "optimizer"])
+def test_init_from_reads_the_given_params_1_over_n_per_device(monkeypatch, offload):
+    """`init_from` puts the given params on the mesh as a checkpoint's logical leaves are,
+    1/N per device (with offload: per host device of a host mesh apart, CPU devices 4-7 here),
+    not a whole fp32 copy on each, and builds the same state from them as from a replicated
+    copy: the run's numbers are the apart-host run's (test above) and each stage's parity."""
+    from jax.sharding import Mesh
+
+    import zerojax.update.host as host
+
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    seen, jit, by_parts = [], jax.jit, host._by_parts
+
+    def spying(fn, *a, **kw):  # the build's program: record its params argument
+        jitted = jit(fn, *a, **kw)
+        if fn.__name__ != "build":
+            return jitted
+        return lambda *args: seen.append(args[0]) or jitted(*args)
+
+    monkeypatch.setattr(jax, "jit", spying)
+    monkeypatch.setattr(host, "_by_parts", lambda fn, args, s: seen.append(args[0]) or
+                        by_parts(fn, args, s))
+    eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload=offload))
+    params = tiny_gpt().init(jax.random.key(0))
+    state = eng.init_from(params, gpt_batch(tiny_gpt().cfg, 8, 0))
+    monkeypatch.setattr(jax, "jit", jit)
+    (given,) = seen
+    want = {eng.mesh if offload is None else eng.host_mesh}
+    assert {x.sharding.mesh for x in jax.tree.leaves(given)} == want
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(given))
+    assert per_device <= 0.26 * total, (per_device, total)  # a few small leaves replicated
+    assert_bitwise(eng.params(state), params)

@@ -307,13 +307,20 @@ class Engine:
                 model_state = self._init_state(state_key)
             return self._to_state(params, train_key, model_state)
 
-        return self._built(build, params, rng, model_state)
+        # The given params 1/N per device, as a checkpoint's logical leaves are: a replicated
+        # argument would put a whole fp32 copy on every device (or host device).
+        homes = jax.tree.map(lambda x: x.sharding, self.logical_target()["params"])
+        return self._built(build, params, rng, model_state, homes=(homes, None, None))
 
-    def _built(self, build, *args) -> TrainState:
-        """The state `build(*args)` makes, jitted, each part where it lives."""
+    def _built(self, build, *args, homes=None) -> TrainState:
+        """The state `build(*args)` makes, jitted, each part where it lives; `homes`: per
+        argument, the shardings on this engine's mesh to read it from (None: replicated)."""
+        homes = (None,) * len(args) if homes is None else homes
         if self._offload is None:
+            replicated = NamedSharding(self.mesh, P())
+            args = jax.device_put(args, tuple(replicated if h is None else h for h in homes))
             return jax.jit(build, out_shardings=self.state_shardings())(*args)
-        return self._offload.built(build, args)
+        return self._offload.built(build, args, homes)
 
     def _home(self, state: TrainState) -> TrainState:
         """A state built on this engine's mesh moved where it lives (offload: the host mesh)."""

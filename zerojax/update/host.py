@@ -90,7 +90,7 @@ class HostOffload:
         leaf's device-mesh copy freed as it goes."""
         return self._moved(state, self.engine.state_shardings(), True)
 
-    def built(self, build, args):
+    def built(self, build, args, homes):
         """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
         master, optimizer state (and pending update) by the host mesh's, the rest by the
         devices', and the compute params from the new master's compute-dtype shards by the
@@ -99,10 +99,14 @@ class HostOffload:
         parts (`_by_parts`), so its temporaries are a part's, not the state's. (XLA compiles
         the params' random draw per program, so a draw may round otherwise in its last bits
         than the one-program build's; from given params, as `init_from`, the two builds are
-        bitwise the same.)"""
-        eng = self.engine
+        bitwise the same.) `homes`: per argument, its shardings on the devices' mesh (given
+        params: 1/N per device), which the host's program reads it by on its own mesh; None:
+        replicated."""
+        eng, arg_homes = self.engine, homes
         homes = eng.state_shardings()
         if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
+            args = jax.device_put(args, tuple(NamedSharding(self.mesh, P()) if h is None else h
+                                              for h in arg_homes))
             return jax.jit(build, out_shardings=homes)(*args)
 
         def host(*a):
@@ -113,7 +117,12 @@ class HostOffload:
             state = self.device_part(build(*a))
             return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute))
 
-        hosted = _by_parts(host, jax.device_put(args, NamedSharding(self.mesh, P())),
+        # Each argument on the host mesh as `homes` places it on the devices' (given params
+        # 1/N per host device), else replicated.
+        twin = lambda s: NamedSharding(self.mesh, s.spec)
+        on_host = tuple(NamedSharding(self.mesh, P()) if h is None else jax.tree.map(twin, h)
+                        for h in arg_homes)
+        hosted = _by_parts(host, jax.device_put(args, on_host),
                            tuple(getattr(homes, f) for f in HOSTED))
         shards = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in jax.tree.leaves(m)],
                          out_shardings=self._moves()[0])(hosted[0])
