@@ -185,6 +185,9 @@ class HostOffload:
                         for h in arg_homes)
         hosted = iter(_by_parts(host, jax.device_put(args, on_host),
                                 [h for h, k in zip(flat_homes, kept) if not k]))
+        if any(kept):  # Twin-Flow's share is built from the params on the devices, 1/N each
+            args = jax.device_put(args, tuple(NamedSharding(eng.mesh, P()) if h is None else h
+                                              for h in arg_homes))
         state, mine = jax.jit(device, out_shardings=(
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
         mine = iter(mine)
