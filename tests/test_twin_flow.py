@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, check_parity, gpt_batch, tiny_gpt
 from jax.sharding import Mesh
+from test_offload import learn_units
 from test_state import BATCHES, Norm
 
 import zerojax as zj
@@ -46,12 +47,41 @@ def run(eng, batches, params, save=None):
     return np.array(losses), state
 
 
-def test_a_share_stays_on_the_devices_with_full_offloads_numbers(apart, tmp_path):
-    """Half the params on the devices, with the delayed update and a save in the delayed phase
-    restored halfway: each master, moment and pending leaf where the engine says it lives
-    (Twin-Flow's on the mesh in device memory, the rest on the host mesh), the host's bytes
-    about half of full offload's, and the losses, params, optimizer state and evaluate of
-    full offload's run; its checkpoint restores into full offload and back."""
+def test_a_share_stays_on_the_devices_with_single_device_optaxs_numbers(apart):
+    """Half the params on the devices: single-device optax's losses, norms and params over
+    20 steps; each master and moment leaf where the engine says it lives (Twin-Flow's on the
+    mesh in device memory, the rest on the host mesh); the host's bytes about half of full
+    offload's, the rest counted in the device peak."""
+    mesh = zj.make_mesh(data=4, devices=apart)
+    cfg = dict(stage=3, clip_norm=CLIP, offload="optimizer")
+    twin = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg, offload_fraction=0.5))
+    check_parity(twin)
+    state = check_parity.state
+    device, moments = twin._offload.split()
+    assert 0 < len(device) < len(jax.tree.leaves(state.master))
+    assert len(moments) == 2 * len(device)  # mu and nu of each of the devices' params
+    homes = twin.state_shardings()
+    for field in ("master", "opt_state"):
+        on = twin._offload.on_devices(field)
+        for i, (x, want) in enumerate(zip(jax.tree.leaves(getattr(state, field)),
+                                          jax.tree.leaves(getattr(homes, field)))):
+            assert x.sharding == want
+            assert (x.sharding.mesh == mesh) == (i in on), (field, i)
+            assert x.sharding.memory_kind == "device"
+    full = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg))
+    learn_units(full, gpt_batch(tiny_gpt().cfg, 8, 0))
+    bytes_full, bytes_twin = state_bytes(full), state_bytes(twin)
+    assert 0.3 < bytes_twin["host"] / bytes_full["host"] < 0.7
+    assert bytes_twin["total"] == bytes_full["total"]
+    assert twin_flow_bytes(twin) == bytes_full["host"] - bytes_twin["host"] > 0
+    assert twin_flow_bytes(full) == 0
+
+
+@pytest.mark.slow  # two runs of four steps, a save, two restores (~25 CPU s)
+def test_with_the_delayed_update_and_a_restore_twin_flow_is_full_offloads_run(apart, tmp_path):
+    """With the delayed update and a save in the delayed phase restored halfway: full
+    offload's losses, params, optimizer state and evaluate; the checkpoint restores into full
+    offload, which continues the run."""
     mesh = zj.make_mesh(data=4, devices=apart)
     cfg = dict(stage=3, clip_norm=CLIP, offload="optimizer", delayed_update=1)
     full = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg))
@@ -60,29 +90,13 @@ def test_a_share_stays_on_the_devices_with_full_offloads_numbers(apart, tmp_path
     params = tiny_gpt().init(jax.random.key(0))
     l0, s0 = run(full, batches, params)
     l1, s1 = run(twin, batches, params, tmp_path / "ckpt")
+    assert twin._offload.on_devices("pending")
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     close_run(twin.params(s1), full.params(s0), params)
     close_run(twin.optimizer_state(s1)[0].mu, full.optimizer_state(s0)[0].mu,
               jax.tree.map(np.zeros_like, params))
     np.testing.assert_allclose(float(twin.evaluate(s1, batches[0])["loss"]),
                                float(full.evaluate(s0, batches[0])["loss"]), rtol=1e-6)
-    device, moments = twin._offload.split()
-    n = len(jax.tree.leaves(s1.master))
-    assert 0 < len(device) < n
-    homes = twin.state_shardings()
-    for field in ("master", "opt_state", "pending"):
-        on = twin._offload.on_devices(field)
-        for i, (x, want) in enumerate(zip(jax.tree.leaves(getattr(s1, field)),
-                                          jax.tree.leaves(getattr(homes, field)))):
-            assert x.sharding == want
-            assert (x.sharding.mesh == mesh) == (i in on), (field, i)
-            assert x.sharding.memory_kind == "device"
-    bytes_full, bytes_twin = state_bytes(full), state_bytes(twin)
-    assert 0.3 < bytes_twin["host"] / bytes_full["host"] < 0.7
-    assert bytes_twin["total"] == bytes_full["total"]
-    assert twin_flow_bytes(twin) == bytes_full["host"] - bytes_twin["host"] > 0
-    assert twin_flow_bytes(full) == 0
-    # the checkpoint is the logical state: full offload reads it, and continues the run
     back = full.restore(tmp_path / "ckpt")
     for b in batches[2:]:
         back, _ = full.step(back, b)
@@ -96,7 +110,6 @@ def test_the_hosts_program_takes_only_its_share():
     mesh = zj.make_mesh(data=2, devices=jax.devices()[:2])
     eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(
         stage=3, offload="optimizer", offload_fraction=0.5))
-    from test_offload import learn_units
     learn_units(eng, gpt_batch(tiny_gpt().cfg, 8, 0))
     low = eng.lower_host_update()
     args = low.args_info[0]
