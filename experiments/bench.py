@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj
 from zerojax.analysis.flops import run_peak
-from zerojax.analysis.measurement import host_update_peak, peaks
+from zerojax.analysis.measurement import host_update_peak, peaks, twin_flow_bytes
 from zerojax.app.overlap import DEFAULT_COMBINE_BYTES, apply_overlap_flags
 from zerojax.app.report import state_bytes_split
 from zerojax.mesh import DATA, put_batch
@@ -59,6 +59,9 @@ OFFLOAD = "stage3_offload"  # stage 3 with the optimizer state in host memory
 # ... with the delayed parameter update from the first step (delayed_update=0): the host's
 # update of step t-1 free to run beside step t's forward and backward
 OFFLOAD_DPU = "stage3_offload_dpu"
+# Twin-Flow (run when named): the host keeps and updates --offload-fraction of the params'
+# state, the devices the rest; without and with the delayed update
+TWIN, TWIN_DPU = "stage3_twin", "stage3_twin_dpu"
 # ZeRO++ (ZeroConfig's options), run when named in --variants: qwZ int8 weight gathers, qgZ
 # int4 gradient reductions, both, and both with hpZ on a replica 2 × data N/2 mesh.
 ZEROPP = {
@@ -122,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(and write each variant's optimized HLO text to DIR)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH (default: stdout)")
+    p.add_argument("--offload-fraction", type=float, default=0.4,
+                   help=f"{TWIN} and {TWIN_DPU}: the host's share of the params' update")
     p.add_argument("--update-params", type=float, default=50e6,
                    help=f"with {OFFLOAD}: also time the offloaded AdamW update alone on a shard "
                         "of this many params against a memory copy in this process "
@@ -416,6 +421,11 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
                                       offload="optimizer"),
         OFFLOAD_DPU: lambda: zero_variant(OFFLOAD_DPU, model, mesh, args, host_batch, 3,
                                           offload="optimizer", delayed_update=0),
+        TWIN: lambda: zero_variant(TWIN, model, mesh, args, host_batch, 3, offload="optimizer",
+                                   offload_fraction=args.offload_fraction),
+        TWIN_DPU: lambda: zero_variant(TWIN_DPU, model, mesh, args, host_batch, 3,
+                                       offload="optimizer", delayed_update=0,
+                                       offload_fraction=args.offload_fraction),
     }
     devices = list(mesh.devices.flat)
     makers[STAGE3_TP] = lambda: stage3_tp_variant(model, devices, args, host_batch)
@@ -441,7 +451,7 @@ def variant_makers(model, mesh, args, host_batch) -> dict[str, Callable[[], Vari
 
 def selected(makers, args) -> list[str]:
     """The names to run, in the makers' order; the baseline always runs."""
-    named = set(ZEROPP) | set(TP_VARIANTS)  # run only when named
+    named = set(ZEROPP) | set(TP_VARIANTS) | {TWIN, TWIN_DPU}  # run only when named
     wanted = set(args.variants or [n for n in makers if n not in named]) | {args.baseline}
     unknown = wanted - set(makers)
     if unknown:
@@ -485,9 +495,14 @@ def _prepare(make) -> Variant:
     if v.engine is not None and v.engine.host_mesh is not None:
         # Offload: the step's program is the devices'; the host's update is a program of its
         # own, whose compiled peak is the host's.
+        # Twin-Flow's share of the state stays in device memory beside that program.
+        twin = twin_flow_bytes(v.engine)
         v.memory |= {"host_state_bytes": state_bytes_split(v.engine, v.state,
                                                            jax.devices()[0])[1],
-                     "host_peak_bytes": host_update_peak(v.engine)}
+                     "host_peak_bytes": host_update_peak(v.engine), "twin_flow_bytes": twin}
+        if twin and "device_peak_bytes" in v.memory:
+            v.memory["device_peak_bytes"] += twin
+            v.memory["peak_bytes"] += twin
     return v
 
 

@@ -37,8 +37,11 @@ OFFLOAD = "stage3_offload"  # bench.OFFLOAD: stage 3 with the optimizer state in
 OFFLOAD_DPU = "stage3_offload_dpu"  # bench.OFFLOAD_DPU: ... and the delayed parameter update
 STAGES = [f"stage{s}" for s in range(4)]
 ZEROPP = ["stage3_qwz", "stage3_qgz", "stage3_qwz_qgz", "stage3_zeropp"]  # bench.ZEROPP
-VARIANTS = [*STAGES, OFFLOAD, OFFLOAD_DPU, *ZEROPP]
+TWIN = ["stage3_twin", "stage3_twin_dpu"]  # bench.TWIN, TWIN_DPU: Twin-Flow, bench's fraction
+VARIANTS = [*STAGES, OFFLOAD, OFFLOAD_DPU, *ZEROPP, *TWIN]
 LABELS = {OFFLOAD: "stage 3 + offload", OFFLOAD_DPU: "stage 3 + offload, delayed update",
+          "stage3_twin": "stage 3 + offload, Twin-Flow 0.4 on the host",
+          "stage3_twin_dpu": "stage 3 + offload, Twin-Flow 0.4, delayed update",
           "stage3_qwz": "stage 3 + qwZ int8",
           "stage3_qgz": "stage 3 + qgZ int4", "stage3_qwz_qgz": "stage 3 + qwZ + qgZ",
           "stage3_zeropp": "stage 3 + qwZ + qgZ + hpZ (2 × N/2)"}
@@ -52,11 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="global batch (default 8·N)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps-per-repeat", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in TWIN],
+                   choices=VARIANTS,
                    help="zerojax stages to time next to plain optax")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--largest-variants", nargs="+", default=["optax", "stage3", OFFLOAD],
-                   choices=["optax", *VARIANTS], help="variants whose largest shape is probed")
+                   choices=["optax", *[v for v in VARIANTS if v not in TWIN]],
+                   help="variants whose largest shape is probed")
     p.add_argument("--largest-shapes", nargs="+", default=None,
                    help="shapes to search, smallest first (default: largest.gpt_family(); "
                         "preset names work too)")

@@ -680,7 +680,7 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     assert_placement(runs.engines[-1], state)
 
 
-@pytest.mark.parametrize("offload", [None, "optimizer"])
+@pytest.mark.parametrize("offload", [pytest.param(None, marks=pytest.mark.slow), "optimizer"])
 def test_init_from_reads_the_given_params_1_over_n_per_device(monkeypatch, offload):
     """`init_from` puts the given params on the mesh as a checkpoint's logical leaves are,
     1/N per device (with offload: per host device of a host mesh apart, CPU devices 4-7 here),

@@ -946,3 +946,26 @@ def test_plan_with_bandwidth_tries_zeropp_on_offloaded_candidates_too():
     exact = min(c.step_seconds for c in offloaded if c.fits and not c.quantized)
     assert best.step_seconds < 0.95 * exact if best.quantized else best.step_seconds == exact
     assert tight.config().offload == "optimizer"
+
+
+def test_plan_largest_chooses_twin_flows_fraction(capsys):
+    """`plan --largest`'s Twin-Flow column: the least --offload-fraction, a multiple of 0.05,
+    whose devices' share of the host state fits beside the offloaded shape's device peak (one
+    step less would not; at least 0.05); on one 80 GB device 7b's 80.6 GB of host state
+    leaves the devices room for 60 % of it."""
+    from zerojax.analysis.largest import TWIN_STEP, largest, twin_flow_fraction
+
+    argv = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
+            "--host-memory", "125GB", "--json"]
+    assert plan_main(argv) == 0
+    (row,) = json.loads(capsys.readouterr().out)["largest"]
+    fits, f = row["offload"]["fits"], row["offload"]["twin_flow_fraction"]
+    assert (fits["name"], f) == ("7b", 0.4)
+    assert fits["peak"] + (1 - f) * fits["host"] <= 80e9 < fits["peak"] + (
+        1 - f + TWIN_STEP) * fits["host"]
+    for r in largest(8, 80e9, offload="optimizer", remat=(True,)):
+        g = twin_flow_fraction(r["fits"], 80e9)
+        assert 0 < g <= 1 and abs(g / TWIN_STEP - round(g / TWIN_STEP)) < 1e-9
+        assert r["fits"].peak + (1 - g) * r["fits"].host <= 80e9 or g == 1.0
+        if g > TWIN_STEP:
+            assert r["fits"].peak + (1 - g + TWIN_STEP) * r["fits"].host > 80e9

@@ -158,6 +158,8 @@ BAD = {  # case: (argv, expected message); {tmp} is the test's tmp_path
                 "--offload optimizer needs --stage 1, 2 or 3 (got --stage 0)"),
     "delayed update without offload": ("--stage 3 --delayed-update 2",
                                        "--delayed-update 2 needs --offload optimizer"),
+    "offload fraction": ("--stage 2 --offload-fraction 0.5",
+                         "--offload-fraction 0.5 needs --offload optimizer and a value in (0, 1]"),
     "delayed update": ("--offload optimizer --delayed-update -1",
                        "--delayed-update=-1 must be a non-negative integer"),
     "steps": ("--steps 0", "--steps=0 must be a positive integer"),
@@ -313,9 +315,10 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
 @pytest.mark.slow
 def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch):
     """`--offload optimizer --delayed-update 1`: a resume from a step saved in the delayed phase
-    (on another stage) gives the uninterrupted run's losses: saved after step 2 (step 1's update
-    pending), two steps resumed (the second runs on the params the pending update made). The
-    fewest saves the CLI allows for that (it always saves the last step): 2, 4 and 4 again."""
+    (on another stage, and with Twin-Flow's `--offload-fraction 0.5`) gives the uninterrupted
+    run's losses: saved after step 2 (step 1's update pending), two steps resumed (the second
+    runs on the params the pending update made). The fewest saves the CLI allows for that (it
+    always saves the last step): 2, 4 and 4 again."""
     cfg = options.validate(options.parse_args(["--offload", "optimizer", "--delayed-update", "1"]))
     assert (cfg.delayed_update, options.TrainConfig().delayed_update) == (1, None)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
@@ -328,9 +331,11 @@ def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, token
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
     (tmp_path / "b" / "metrics.jsonl").write_text("")
-    assert train.main([*argv, "--stage", "1", "--resume-step", "2",
-                       "--out", str(tmp_path / "b")]) == 0
+    assert train.main([*argv, "--stage", "1", "--resume-step", "2", "--offload-fraction",
+                       "0.5", "--out", str(tmp_path / "b")]) == 0
     assert len(losses(tmp_path / "b")) == 2
+    s = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert s["config"]["offload_fraction"] == 0.5
     np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a")[2:], rtol=1e-5)
 
 

@@ -89,8 +89,10 @@ def test_each_part_runs_in_place(in_parts):
 
 
 @pytest.mark.parametrize("opt, cfg", [
-    ("adamw", {}), ("adamw", {"param_dtype": "float16"}),
-    ("muon", {})], ids=["f32", "fp16 skip", "muon: whole matrices on owner devices"])
+    ("adamw", {}),
+    pytest.param("adamw", {"param_dtype": "float16"}, marks=pytest.mark.slow),
+    pytest.param("muon", {}, marks=pytest.mark.slow)],
+    ids=["f32", "fp16 skip", "muon: whole matrices on owner devices"])
 def test_the_parts_give_the_one_programs_numbers(in_parts, opt, cfg):
     """The same update as one program and as parts on the same state and gradient: the
     optimizer state bitwise, the master to two ulps of its update and of its value (XLA

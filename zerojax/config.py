@@ -41,6 +41,12 @@ class ZeroConfig:
         delayed parameter update (DPU). Steps 0..K-1 are ordinary; from step K on, each step's
         forward and backward run on the params before the previous step's update, while the
         host computes that update (docs/training.md, "Delayed parameter update").
+    offload_fraction: with offload="optimizer", the share of the params (by count) whose
+        master and optimizer state live on the host and are updated there; 1.0 (default):
+        all of them. Below 1, DeepSpeed's Twin-Flow: the other params' state stays in device
+        memory and the devices update it (whole leaves, as the update's own computations
+        group them: an optimizer whose chain holds a global norm cannot be split; clip with
+        `clip_norm`), while the host updates its share (docs/stages.md).
     quantize_weights: ZeRO++ qwZ, stages 1-3: None, or "int8": every all_gather of compute
         params (stage 3's per-layer gathers, forward and backward; the refresh of stages 1-2)
         sends block-quantized int8 values and a float32 scale per block, dequantized to
@@ -72,6 +78,7 @@ class ZeroConfig:
     quant_block: int = QUANT_BLOCK
     hpz: bool = False
     delayed_update: int | None = None
+    offload_fraction: float = 1.0
 
     def __post_init__(self):
         stage = _integer("stage", self.stage)
@@ -112,6 +119,7 @@ class ZeroConfig:
                               f"stage 0 keeps a full optimizer copy per device, so there is "
                               f"no shard to offload")
         self._check_delayed()
+        self._check_fraction()
         self._check_zeropp()
 
     def _check_delayed(self) -> None:
@@ -130,6 +138,20 @@ class ZeroConfig:
                               f"{self.offload!r}): the delay lets the host's update of one "
                               f"step run while the device computes the next; add "
                               f"offload='optimizer', or drop delayed_update")
+
+    def _check_fraction(self) -> None:
+        """`offload_fraction`: a number in (0, 1], below 1 with the optimizer offloaded."""
+        f = self.offload_fraction
+        if isinstance(f, (bool, np.bool_)) or not isinstance(
+                f, (int, float, np.integer, np.floating)) or not 0 < f <= 1:
+            raise ConfigError(f"offload_fraction={f!r} must be a number in (0, 1]: the host's "
+                              f"share of the params' update (1.0: all of it)")
+        object.__setattr__(self, "offload_fraction", float(f))
+        if f < 1 and self.offload != "optimizer":
+            raise ConfigError(f"offload_fraction={f} needs offload='optimizer' (got offload="
+                              f"{self.offload!r}): it splits the offloaded update between the "
+                              f"host and the devices; add offload='optimizer', or drop "
+                              f"offload_fraction")
 
     def _check_zeropp(self) -> None:
         """The ZeRO++ options (qwZ, qgZ, hpZ) and how they combine with the others."""

@@ -167,8 +167,9 @@ class Engine:
 
     def host_part(self, state) -> tuple:
         """The parts of `state` (or of its abstract twin) that live on `host_mesh`: (master,
-        optimizer state, pending update); () without offload."""
-        return () if self._offload is None else (state.master, state.opt_state, state.pending)
+        optimizer state, pending update), the leaves Twin-Flow keeps on the devices None; ()
+        without offload."""
+        return () if self._offload is None else self._offload.hosted(state)
 
     @property
     def layout(self) -> Layout:
@@ -212,7 +213,7 @@ class Engine:
         if self._offload is None:
             return shardings
         specs = self.state_specs()
-        return shardings._replace(**{f: self._offload.shardings(getattr(specs, f))
+        return shardings._replace(**{f: self._offload.homes(f, getattr(specs, f))
                                      for f in ("master", "opt_state", "pending")})
 
     def view_shardings(self) -> TrainState:
@@ -226,11 +227,13 @@ class Engine:
         shardings = jax.tree.map(on(None), specs, is_leaf=is_spec)
         if self.config.offload is None:
             return shardings
-        host = lambda t: jax.tree.map(on(HOST_MEMORY), t, is_leaf=is_spec)
-        shardings = shardings._replace(master=host(specs.master), opt_state=host(specs.opt_state))
+        # (Twin-Flow's share of the leaves stays in device memory)
+        host = lambda f, t: self._offload.by_home(f, t, on(HOST_MEMORY), on(None))
+        shardings = shardings._replace(master=host("master", specs.master),
+                                       opt_state=host("opt_state", specs.opt_state))
         if self._delay:  # the pending gradient waits in host memory, beside the master
             shardings = shardings._replace(pending=shardings.pending._replace(
-                grads=host(specs.pending.grads)))
+                grads=host("master", specs.pending.grads)))
         return shardings
 
     def abstract_state(self) -> TrainState:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import sys
 from typing import Any
 
@@ -214,6 +215,22 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     return rows
 
 
+TWIN_STEP = 0.05  # Twin-Flow's host share, chosen in steps of this
+
+
+def twin_flow_fraction(fit: Fit, device_memory: float, step: float = TWIN_STEP) -> float:
+    """Twin-Flow's choice for an offloaded `fit`: the least `offload_fraction` (a multiple of
+    `step`, at least `step`) whose devices' share of the host state (master, optimizer state,
+    a pending gradient) fits beside the estimated device peak in `device_memory`. The devices
+    update their share at their memory's bandwidth, so the less the host keeps, the less its
+    update and the moves cost; 1.0 where no room is left."""
+    if fit.host <= 0:
+        return 1.0
+    room = max(device_memory - fit.peak, 0.0)
+    least = math.ceil(round((1 - room / fit.host) / step, 9)) * step
+    return round(min(1.0, max(step, least)), 9)
+
+
 def _optimizer_fact(name: str, optimizer, family) -> str:
     if optimizer is None:
         return ("AdamW, moments in float32 (state: zerojax.analysis.accounting.state_estimate, "
@@ -296,13 +313,19 @@ def largest_main(p, a) -> int:
             + (f"; --delayed-update {delayed}: + the pending float32 gradient shard, 4 bytes x "
                "Ψ/N, in host (and host peak), + the next step's compute shard, in the device "
                "peak" if delayed is not None else "")
-            + "; binds: the memories the next larger shape does not fit")
+            + "; binds: the memories the next larger shape does not fit; Twin-Flow: the "
+            f"least --offload-fraction (in steps of {TWIN_STEP}) whose devices' share of that "
+            "host state fits beside the device peak in the memory budget, so the devices "
+            "update that share")
     print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
                        f"{format_bytes(a.memory)} each", facts)
     if a.json:
         def both(r):
-            return {"fits": r["fits"] and r["fits"].as_dict(),
-                    "next": r["next"] and r["next"].as_dict(), "binds": r["binds"]}
+            out = {"fits": r["fits"] and r["fits"].as_dict(),
+                   "next": r["next"] and r["next"].as_dict(), "binds": r["binds"]}
+            if r["offload"] and r["fits"]:
+                out["twin_flow_fraction"] = twin_flow_fraction(r["fits"], a.memory)
+            return out
 
         out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
                 "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
@@ -335,7 +358,9 @@ def largest_main(p, a) -> int:
                 "host": fmt(fo.host) if fo else "-",
                 "host peak": fmt(fo.host_peak) if fo else "-",
                 "host<->device": fmt(fo.transfer) if fo else "-",
-                "binds": " + ".join(o["binds"]) if o and o["binds"] else "-"})
+                "binds": " + ".join(o["binds"]) if o and o["binds"] else "-",
+                "Twin-Flow": f"--offload-fraction {twin_flow_fraction(fo, a.memory):.2f}"
+                             if fo else "-"})
     print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
                  f"each (estimated)", table)
     if not any(r["fits"] for r in [*rows, *off.values()]):

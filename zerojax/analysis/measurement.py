@@ -186,8 +186,10 @@ def measure_lowered(engine, lowered) -> Measurement:
     peak, host_peak = peaks(mem)
     if engine.host_mesh is not None:
         # Offload: the device's program holds no host state; the host's update is a program
-        # of the CPU backend, whose own peak is the host's.
+        # of the CPU backend, whose own peak is the host's. Twin-Flow's share of the master
+        # and optimizer state stays in device memory beside the devices' program.
         host_peak = host_update_peak(engine)
+        peak += twin_flow_bytes(engine)
     return Measurement(
         stage=cfg.stage,
         devices=engine.data,
@@ -246,6 +248,16 @@ def optimizer_state_size(engine) -> StateSize:
     params = layout.unflatten(jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
                               for leaf in layout.leaves)
     return state_size(engine.optimizer, params)
+
+
+def twin_flow_bytes(engine) -> int:
+    """Per device: the master, optimizer state and pending update that Twin-Flow
+    (`offload_fraction` < 1) keeps in device memory; 0 without it."""
+    state = engine.abstract_state()
+    fields = (state.master, state.opt_state, state.pending)
+    per_device = lambda t: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                               for x in jax.tree.leaves(t))
+    return per_device(fields) - per_device(engine.host_part(state))
 
 
 def host_update_peak(engine) -> int:

@@ -86,6 +86,9 @@ class TrainConfig:
     delayed_update: int | None = None
     """With --offload: after K ordinary steps, each step's forward and backward run on the
     params before the previous step's update, while the host computes that update (DPU)."""
+    offload_fraction: float | None = None
+    """With --offload: the host's share of the params' master, optimizer state and update, in
+    (0, 1] (default 1); the devices keep and update the rest (Twin-Flow)."""
     quantize_weights: Literal["int8"] | None = None
     """ZeRO++ qwZ (stages 1-3): gather params as block-quantized int8 (half of bf16's bytes)."""
     quantize_grads: Literal["int8", "int4"] | None = None
@@ -265,6 +268,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.delayed_update is not None and cfg.offload is None:
         raise UsageError(f"--delayed-update {cfg.delayed_update} needs --offload optimizer: "
                          f"the delay lets the host's update run while the device computes")
+    if cfg.offload_fraction is not None and (cfg.offload is None or isinstance(
+            cfg.offload_fraction, bool) or not 0 < cfg.offload_fraction <= 1):
+        raise UsageError(f"--offload-fraction {cfg.offload_fraction} needs --offload optimizer "
+                         f"and a value in (0, 1]: the host's share of the params' update")
     if cfg.quantize_weights is not None and cfg.stage == 0:
         raise UsageError(f"--quantize-weights {cfg.quantize_weights} needs --stage 1, 2 or 3 "
                          f"(got --stage 0): stage 0 gathers no params; use --quantize-grads")

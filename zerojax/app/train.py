@@ -204,7 +204,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                       clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
                       offload=cfg.offload, quantize_weights=cfg.quantize_weights,
                       quantize_grads=cfg.quantize_grads, hpz=cfg.hpz,
-                      delayed_update=cfg.delayed_update)
+                      delayed_update=cfg.delayed_update,
+                      offload_fraction=cfg.offload_fraction or 1.0)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
         from zerojax.checkpoint.store import MisnamedStep, misnamed_note

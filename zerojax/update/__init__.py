@@ -38,7 +38,7 @@ from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
 from zerojax.update.offload import DEVICE, HOST, to_memory
 from zerojax.update.owners import Owners
-from zerojax.update.parts import Part, split
+from zerojax.update.parts import PARTS, Part, groups, split
 from zerojax.update.placement import loads
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Flat, Phys, from_pieces, leaf_phys, pad_global
@@ -240,11 +240,21 @@ class ShardedUpdate:
             self._programs[key] = (prog, treedef, planner)
         return self._programs[key]
 
-    def parts(self, finite: bool, gdtypes) -> list[tuple[Part, Program]]:
+    def groups(self) -> list[list[int]]:
+        """The params in the finest groups the update allows (parts.py)."""
+        closed, _ = self._trace(False, [jnp.float32] * len(self.param_reps))
+        n = len(self.param_reps)
+        return groups(closed, n, len(self._in_reps(self.state_reps, False)) - len(
+            self.state_reps) - 2 * n, [isinstance(r, Flat) for r in self.state_reps])
+
+    def parts(self, finite: bool, gdtypes, device: frozenset[int] = frozenset(),
+              host_parts: int | None = None) -> list[tuple[Part, Program]]:
         """The update as parts that read and write disjoint leaves (parts.py), each planned
-        over the shards: one part where the optimizer ties every leaf to every other."""
+        over the shards: one part where the optimizer ties every leaf to every other; with
+        `device` (Twin-Flow), first the part of those params; `host_parts`: the others in at
+        most that many parts (default parts.PARTS)."""
         gdtypes = tuple(jnp.dtype(d) for d in gdtypes)
-        key = ("parts", finite, gdtypes)
+        key = ("parts", finite, gdtypes, device, host_parts)
         if key not in self._programs:
             closed, _ = self._trace(finite, gdtypes)
             n = len(self.param_reps)
@@ -257,7 +267,8 @@ class ShardedUpdate:
                                    [outs[o] for o in part.outputs], shards=self.shards,
                                    axis=self.axis, hooks=hooks())[0])
                 for part in split(closed, n, len(ins) - len(self.state_reps) - 2 * n,
-                                  [isinstance(r, Flat) for r in self.state_reps], sizes)]
+                                  [isinstance(r, Flat) for r in self.state_reps], sizes,
+                                  host_parts or PARTS, device=device)]
         return self._programs[key]
 
     # ------------------------------------------------------------------ the step

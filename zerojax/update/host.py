@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.errors import ConfigError
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import across, crosses, host_mesh, twins
-from zerojax.update.parts import runs
+from zerojax.update.offload import DEVICE, across, crosses, host_mesh, to_memory, twins
+from zerojax.update.parts import device_share, runs
 from zerojax.update.reps import Flat
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
@@ -52,6 +53,7 @@ class HostOffload:
         self._twins = (twins(engine.mesh, self.mesh), twins(self.mesh, engine.mesh))  # down, up
         self._crosses = crosses(self._twins[0])  # a GPU's mesh and the CPU's: by shard
         self.k = engine.config.delayed_update
+        self.fraction = engine.config.offload_fraction
         self._order: list[int] = []  # the params' order in the update's parts (`_parted`)
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
@@ -61,6 +63,59 @@ class HostOffload:
         """NamedShardings on the host mesh of a tree of PartitionSpecs."""
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                             is_leaf=lambda x: isinstance(x, P))
+
+    def split(self) -> tuple[frozenset[int], frozenset[int]]:
+        """Twin-Flow (`offload_fraction` < 1): (the params whose master and optimizer state
+        stay in the devices' memory and are updated there, their sharded optimizer-state
+        leaves), whole groups of leaves as the update ties them (parts.py); empty at 1.0."""
+        def build():
+            if self.fraction >= 1:
+                return frozenset(), frozenset()
+            upd, layout = self.engine.plan.update, self.engine.layout
+            found = upd.groups()
+            if len(found) < 2:
+                raise ConfigError(
+                    f"offload_fraction={self.fraction} splits the update between the host and "
+                    f"the devices by leaves, but this optimizer ties every leaf to every other "
+                    f"(a computation over all of them, such as optax.clip_by_global_norm in "
+                    f"its chain); clip with ZeroConfig(clip_norm=...) instead, or use "
+                    f"offload_fraction=1.0")
+            device = device_share(found, [math.prod(leaf.shape) for leaf in layout.leaves],
+                                  self.fraction)
+            if not device:
+                return frozenset(), frozenset()
+            (first, _), *_ = upd.parts(False, [jnp.float32] * len(layout.leaves), device)
+            return device, frozenset(first.owned)
+
+        return self._cached("split", build)
+
+    def on_devices(self, field: str) -> frozenset[int]:
+        """The indices of `field`'s leaves (master, opt_state or pending) that Twin-Flow keeps
+        on the devices; a pending update's gradient leaves come first, as the master's."""
+        device, state = self.split()
+        return state if field == "opt_state" else device
+
+    def by_home(self, field: str, tree, host, device):
+        """`tree` (a field's leaves or specs) with `host(x)` for each leaf that lives on the
+        host mesh and `device(x)` for each that Twin-Flow keeps on the devices."""
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, P))
+        on = self.on_devices(field)
+        return jax.tree.unflatten(treedef, [device(x) if i in on else host(x)
+                                            for i, x in enumerate(leaves)])
+
+    def homes(self, field: str, specs):
+        """NamedShardings of a hosted field's specs: the host mesh, or Twin-Flow's devices."""
+        if specs is None:
+            return None
+        return self.by_home(field, specs, lambda s: NamedSharding(self.mesh, s),
+                            lambda s: NamedSharding(self.engine.mesh, s))
+
+    def hosted(self, state) -> tuple:
+        """(master, optimizer state, pending update) of `state` with the leaves Twin-Flow
+        keeps on the devices as None: what lives on the host mesh."""
+        return tuple(None if getattr(state, f) is None else
+                     self.by_home(f, getattr(state, f), lambda x: x, lambda x: None)
+                     for f in HOSTED)
 
     @staticmethod
     def device_part(state):
@@ -74,7 +129,7 @@ class HostOffload:
         of another backend, a leaf goes shard by shard, as the step's gradient does
         (`offload.across`): read where it is, so there is nothing to copy or free."""
         def put(x, s):
-            if free and self._crosses:
+            if free and self._crosses and s.mesh is self.mesh:
                 return across([x], [s], self._twins[0], True)[0]
             y = jax.device_put(x, s)
             if free and y is not x:  # (the same array where nothing moves)
@@ -109,26 +164,43 @@ class HostOffload:
                                               for h in arg_homes))
             return jax.jit(build, out_shardings=homes)(*args)
 
-        def host(*a):
-            state = build(*a)
-            return tuple(getattr(state, f) for f in HOSTED)
+        # The hosted fields' leaves, and which of them Twin-Flow keeps on the devices.
+        fields = lambda st: tuple(getattr(st, f) for f in HOSTED)
+        flat_homes, tree = jax.tree.flatten(fields(homes))
+        kept = [h.mesh is not self.mesh for h in flat_homes]
 
-        def device(*a):  # the params' computation is dead code here: only their shapes
-            state = self.device_part(build(*a))
-            return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute))
+        def host(*a):
+            return [x for x, k in zip(tree.flatten_up_to(fields(build(*a))), kept) if not k]
+
+        def device(*a):  # the params' computation is dead code here but for Twin-Flow's
+            state = build(*a)
+            mine = [x for x, k in zip(tree.flatten_up_to(fields(state)), kept) if k]
+            state = self.device_part(state)
+            return state._replace(compute=jax.tree.map(jnp.zeros_like, state.compute)), mine
 
         # Each argument on the host mesh as `homes` places it on the devices' (given params
         # 1/N per host device), else replicated.
         twin = lambda s: NamedSharding(self.mesh, s.spec)
         on_host = tuple(NamedSharding(self.mesh, P()) if h is None else jax.tree.map(twin, h)
                         for h in arg_homes)
-        hosted = _by_parts(host, jax.device_put(args, on_host),
-                           tuple(getattr(homes, f) for f in HOSTED))
-        shards = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in jax.tree.leaves(m)],
-                         out_shardings=self._moves()[0])(hosted[0])
-        state = jax.jit(device, out_shardings=self.device_part(homes))(*args)
+        hosted = iter(_by_parts(host, jax.device_put(args, on_host),
+                                [h for h, k in zip(flat_homes, kept) if not k]))
+        if any(kept):  # Twin-Flow's share is built from the params on the devices, 1/N each
+            args = jax.device_put(args, tuple(NamedSharding(eng.mesh, P()) if h is None else h
+                                              for h in arg_homes))
+        state, mine = jax.jit(device, out_shardings=(
+            self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
+        mine = iter(mine)
+        built = tree.unflatten([next(mine) if k else next(hosted) for k in kept])
+        state = state._replace(**dict(zip(HOSTED, built, strict=True)))
+        master, on = jax.tree.leaves(state.master), self.on_devices("master")
+        shards = [None] * len(master)
+        cast = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in m])
+        for side in ([i for i in range(len(master)) if i not in on], sorted(on)):
+            for i, x in zip(side, cast([master[i] for i in side]) if side else []):
+                shards[i] = x  # on the mesh its master leaf lives on
         compute = self._refresh_fn(True)(self.up(shards), state.compute)
-        return state._replace(compute=compute, **dict(zip(HOSTED, hosted, strict=True)))
+        return state._replace(compute=compute)
 
     def to_view(self, state):
         """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
@@ -204,11 +276,15 @@ class HostOffload:
 
         return self._cached(("update", donate, finite, grads_too), build)
 
-    def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool):
+    def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool,
+                  host_parts: int | None = None):
         """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
         its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
-        a program of the host mesh of its own: [(part, its program)]. `donate` as
-        `_update_fn`'s; a replicated state leaf (read by every part) is not donated."""
+        a program of its own: [(part, its program)]. A part runs on the host mesh, Twin-Flow's
+        on the devices' (its gradient read from their host memory into device memory, its
+        state and shards in device memory). `donate` as `_update_fn`'s; a replicated state
+        leaf (read by every part) is not donated. `host_parts`: the host's leaves in at most
+        this many parts (default: parts.py's)."""
         eng = self.engine
 
         def build():
@@ -216,16 +292,19 @@ class HostOffload:
             specs = eng._manual_specs()
             leaves = lambda tree: jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
             master, opt = leaves(specs.master), leaves(specs.opt_state)
-            master_homes, state_homes = leaves(full.master), leaves(full.opt_state)
             sharded = [isinstance(r, Flat) for r in eng.plan.update.state_reps]
             scalars = (*reduced[1:3], *([P()] if finite else []), P())
             shared = [j for j, s in enumerate(sharded) if not s]
             out = []
-            for part, prog in eng.plan.update.parts(finite, gdtypes):
+            for part, prog in eng.plan.update.parts(finite, gdtypes, self.split()[0],
+                                                    host_parts):
                 mine = sorted((*part.owned, *part.writes))
+                mesh = eng.mesh if part.on_device else self.mesh
 
                 def body(scalars, shared_, master_, own, grads, part=part, prog=prog,
                          shared=shared, mine=mine):
+                    if part.on_device:  # the gradient waits in the devices' host memory
+                        grads = to_memory(grads, DEVICE)
                     state = dict(zip(shared, shared_, strict=True))
                     state.update(zip(part.owned, own, strict=True))
                     outs = prog(*grads, *scalars, *(state[j] for j in sorted(state)), *master_)
@@ -233,21 +312,25 @@ class HostOffload:
                     return outs[:k], outs[k:j], outs[j:]
 
                 fn = jax.shard_map(
-                    body, mesh=self.mesh, axis_names=frozenset(eng.axes), check_vma=True,
+                    body, mesh=mesh, axis_names=frozenset(eng.axes), check_vma=True,
                     in_specs=(scalars, [opt[j] for j in shared],
                               [master[i] for i in part.params], [opt[j] for j in part.owned],
                               [master[i] for i in part.params]),
                     out_specs=([master[i] for i in part.params], [opt[j] for j in mine],
                                [shards[i] for i in part.params]))
-                on = lambda specs: [NamedSharding(self.mesh, s) for s in specs]
-                donated = ((2, 3, 4) if grads_too else (2, 3)) if donate else ()
+                on = lambda specs, mesh=mesh: [NamedSharding(mesh, s) for s in specs]
+                # (a gradient in host memory cannot take shards in device memory)
+                donated = ((2, 3, 4) if grads_too and not part.on_device else (2, 3)) \
+                    if donate else ()
                 out.append((part, jax.jit(fn, donate_argnums=donated, keep_unused=True,
                                           out_shardings=(
-                                              on(master_homes[i] for i in part.params),
-                                              on(state_homes[j] for j in mine), None))))
+                                              on(leaves(full.master)[i] for i in part.params),
+                                              on(leaves(full.opt_state)[j] for j in mine),
+                                              None))))
             return out
 
-        return self._cached(("parts", donate, finite, tuple(gdtypes), grads_too), build)
+        return self._cached(("parts", donate, finite, tuple(gdtypes), grads_too, host_parts),
+                            build)
 
     def _refresh_fn(self, donate: bool):
         eng = self.engine
@@ -263,17 +346,40 @@ class HostOffload:
 
         return self._cached(("refresh", donate), build)
 
-    def _store_fn(self):
-        """The step's reduced gradient (on the host mesh) as the pending update: float32,
-        zero where the step was skipped."""
-        def store(reduced):
-            grads, denom, norm, finite, value = reduced
-            ok = jnp.ones((), jnp.bool_) if finite is None else finite
-            grads = jax.tree.map(lambda g: jnp.where(ok, g.astype(jnp.float32), 0.0), grads)
-            return Pending(grads, denom, norm, ok, value)
+    def _store_fn(self, on_device: bool):
+        """`(gradient leaves, ok) -> float32 leaves, zero where the step was skipped`: the
+        pending update's gradient of the host's leaves, or of Twin-Flow's (read from the
+        devices' host memory into their memory)."""
+        def build():
+            on = self.on_devices("master")
+            homes = [h for i, h in enumerate(jax.tree.leaves(
+                self.engine.state_shardings().pending.grads)) if (i in on) == on_device]
 
-        return self._cached("store", lambda: jax.jit(
-            store, out_shardings=self.engine.state_shardings().pending))
+            def store(grads, ok):
+                if on_device:
+                    grads = to_memory(grads, DEVICE)
+                return [jnp.where(ok, g.astype(jnp.float32), 0.0) for g in grads]
+
+            return jax.jit(store, out_shardings=homes)
+
+        return self._cached(("store", on_device), build)
+
+    def _store(self, grads, scalars) -> Pending:
+        """The step's reduced gradient (on the host mesh; Twin-Flow's leaves on the devices')
+        as the pending update."""
+        denom, norm, finite, value = self._host_scalars(scalars)
+        ok = jax.device_put(jnp.ones((), jnp.bool_), NamedSharding(self.mesh, P())) \
+            if finite is None else finite
+        leaves, on = jax.tree.leaves(grads), self.on_devices("master")
+        out = [None] * len(leaves)
+        for side, mesh in ((False, self.mesh), (True, self.engine.mesh)):
+            idx = [i for i in range(len(leaves)) if (i in on) == side]
+            if idx:
+                flag = jax.device_put(ok, NamedSharding(mesh, P()))
+                for i, x in zip(idx, self._store_fn(side)([leaves[i] for i in idx], flag)):
+                    out[i] = x
+        return Pending(jax.tree.unflatten(jax.tree.structure(grads), out), denom, norm, ok,
+                       value)
 
     # ------------------------------------------------------------ running them
 
@@ -289,65 +395,85 @@ class HostOffload:
         return self._cached("moves", build)
 
     def down(self, leaves: list) -> list:
-        """Gradient leaves from the devices' mesh (their pinned host memory) to the host mesh."""
-        return across(leaves, self._moves()[0], self._twins[0], self._crosses)
+        """Gradient leaves from the devices' mesh (their pinned host memory) to the host mesh;
+        Twin-Flow's stay where they are, for the devices' update."""
+        on = self.on_devices("master")
+        moved = iter(across([x for i, x in enumerate(leaves) if i not in on],
+                            [s for i, s in enumerate(self._moves()[0]) if i not in on],
+                            self._twins[0], self._crosses))
+        return [x if i in on else next(moved) for i, x in enumerate(leaves)]
 
     def up(self, shards: list) -> list:
         """Compute-dtype shards from the host mesh to the devices' mesh, in the order the
-        update's parts give them (`_parted`)."""
-        order = self._order if len(self._order) == len(shards) else range(len(shards))
+        update's parts give them (`_parted`); Twin-Flow's are there already."""
+        on = self.on_devices("master")
+        order = [i for i in (self._order or range(len(shards))) if i not in on]
         homes = self._moves()[1]
         moved = across([shards[i] for i in order], [homes[i] for i in order], self._twins[1],
                        self._crosses)
-        out = [None] * len(shards)
+        out = list(shards)
         for i, x in zip(order, moved, strict=True):
             out[i] = x
         return out
 
     def to_devices(self, tree, shardings):
-        """A tree on the host mesh put on `shardings` of the devices' mesh."""
+        """A tree on the host mesh put on `shardings` of the devices' mesh (a leaf already on
+        the devices' mesh, Twin-Flow's, by a plain `device_put`)."""
         leaves, treedef = jax.tree.flatten(tree)
-        return jax.tree.unflatten(treedef, across(leaves, treedef.flatten_up_to(shardings),
-                                                  self._twins[1], self._crosses))
+        homes = treedef.flatten_up_to(shardings)
+        here = [x.sharding.mesh is self.engine.mesh and self.mesh is not self.engine.mesh
+                for x in leaves]
+        moved = iter(across([x for x, h in zip(leaves, here) if not h],
+                            [s for s, h in zip(homes, here) if not h],
+                            self._twins[1], self._crosses))
+        return jax.tree.unflatten(treedef, [jax.device_put(x, s) if h else next(moved)
+                                            for x, s, h in zip(leaves, homes, here)])
 
-    def _host_scalars(self, scalars):
-        """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh."""
-        on = NamedSharding(self.mesh, P())
+    def _host_scalars(self, scalars, mesh=None):
+        """The gradient's scalars (divisor, norm, finite flag or None, loss) on the host mesh
+        (or `mesh`)."""
+        on = NamedSharding(self.mesh if mesh is None else mesh, P())
         return tuple(None if x is None else jax.device_put(x, on) for x in scalars)
 
     def _update(self, reduced, state, donate: bool):
         grads, *scalars = reduced
-        scalars = self._host_scalars(scalars)
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
-        if len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
+        if self.split()[0] or len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
             return self._parted(scalars, state, grads, donate, same)
         fn = self._update_fn(donate, finite, same)
-        return fn(scalars, state.master, state.opt_state, grads)
+        return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
 
     def _parted(self, scalars, state, grads, donate: bool, same: bool):
-        """`_update` as its parts (parts.py), each a program dispatched in turn. On a GPU's
-        host `up` then sends each part's shards as soon as that part is done, while the later
-        parts update (`_order`); on CPU devices the parts cost what the one program did
-        (docs/performance.md)."""
+        """`_update` as its parts (parts.py), each a program dispatched in turn: Twin-Flow's
+        on the devices first, then the host's. On a GPU's host `up` sends each host part's
+        shards as soon as that part is done, while the later parts update (`_order`); on CPU
+        devices the parts cost what the one program did (docs/performance.md)."""
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
-        scalars = tuple(x for x in scalars if x is not None)
         parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same)
         sharded = [isinstance(r, Flat) for r in self.engine.plan.update.state_reps]
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)
+        # the scalars and the replicated state leaves (small) where each part runs
+        here = {False: (tuple(x for x in self._host_scalars(scalars) if x is not None), shared)}
+        if parts[0][0].on_device:
+            mesh = self.engine.mesh
+            here[True] = (tuple(x for x in self._host_scalars(scalars, mesh) if x is not None),
+                          jax.device_put(shared, NamedSharding(mesh, P())))
         for part, fn in parts:
-            m, o, s = fn(scalars, shared, [master[i] for i in part.params],
+            m, o, s = fn(*here[part.on_device], [master[i] for i in part.params],
                          [opt[j] for j in part.owned], [g[i] for i in part.params])
             for i, a, b in zip(part.params, m, s, strict=True):
                 new_master[i], shards[i] = a, b
             for j, x in zip(sorted((*part.owned, *part.writes)), o, strict=True):
-                new_opt[j] = x
+                # a replicated leaf the devices' part wrote goes back to the host mesh
+                new_opt[j] = jax.device_put(x, NamedSharding(self.mesh, P())) \
+                    if part.on_device and j in part.writes else x
         new_opt = jax.tree.unflatten(jax.tree.structure(state.opt_state), new_opt)
-        self._order = [i for part, _ in parts for i in part.params]
+        self._order = [i for part, _ in parts for i in part.params if not part.on_device]
         lr = learning_rate(new_opt)
         return (jax.tree.unflatten(jax.tree.structure(state.master), new_master), new_opt,
                 shards, {} if lr is None else {"lr": lr})
@@ -395,7 +521,7 @@ class HostOffload:
         grads = jax.tree.unflatten(jax.tree.structure(grads), self.down(jax.tree.leaves(grads)))
         if delayed:
             master, opt_state, shards, lr = applied
-            pending = self._store_fn()((grads, *self._host_scalars(scalars)))
+            pending = self._store(grads, scalars)
         else:
             master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
             pending = state.pending
@@ -412,7 +538,8 @@ class HostOffload:
 
     def lower_update(self, state):
         """The host's update of a step, lowered (the state donated): of a delayed step with
-        delayed_update, whose update a flag may skip, as dynamic loss scaling's may."""
+        delayed_update, whose update a flag may skip, as dynamic loss scaling's may; with
+        Twin-Flow, of the host's share of the leaves."""
         specs, mesh = self.engine.state_specs(), self.mesh
         grads = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(
             m.shape, self.engine.plan.rdtype, sharding=NamedSharding(mesh, s)),
@@ -422,6 +549,17 @@ class HostOffload:
         if not (self.engine.config.dynamic_scale or self.k is not None):
             reduced = (*reduced[:3], None, reduced[4])  # no flag: nothing skips the update
         same = self.engine.plan.rdtype == self.engine.plan.dtype
+        if self.split()[0]:  # Twin-Flow: the host's leaves, as one program
+            parts = self._parts_fn(True, reduced[3] is not None, tuple(
+                x.dtype for x in jax.tree.leaves(grads)), same, host_parts=1)
+            ((part, fn),) = [(p, f) for p, f in parts if not p.on_device]
+            master, opt, g = (jax.tree.leaves(t) for t in (state.master, state.opt_state,
+                                                           grads))
+            sharded = [isinstance(r, Flat) for r in self.engine.plan.update.state_reps]
+            return fn.lower(tuple(x for x in reduced[1:] if x is not None),
+                            [x for x, s in zip(opt, sharded) if not s],
+                            [master[i] for i in part.params], [opt[j] for j in part.owned],
+                            [g[i] for i in part.params])
         return self._update_fn(True, reduced[3] is not None, same).lower(
             reduced[1:], state.master, state.opt_state, reduced[0])
 

@@ -42,13 +42,17 @@ class Part:
     closed: jcore.ClosedJaxpr
     inputs: tuple[int, ...]  # into the whole jaxpr's inputs
     outputs: tuple[int, ...]  # into the whole jaxpr's outputs
+    on_device: bool = False  # Twin-Flow: updated by the devices, its state in their memory
 
 
 def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
-          parts: int = PARTS, least: int | None = None) -> list[Part]:
+          parts: int = PARTS, least: int | None = None,
+          device: frozenset[int] = frozenset()) -> list[Part]:
     """`closed`'s update as at most about `parts` parts of similar size (`sizes`: elements per
     param), each of at least `least` elements (default LEAST) or one group of leaves that the
-    update ties together.
+    update ties together. With `device` (params updated on the devices: Twin-Flow), the first
+    part holds exactly those (`on_device`), the others the rest; ValueError where a group of
+    leaves the update ties together has some on each side.
 
     `closed`'s inputs: n gradients, s scalars, the state's leaves (`sharded[j]`: leaf j is
     stored like the params, else replicated), n master leaves; outputs: n master leaves, the
@@ -56,10 +60,61 @@ def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
     m = len(sharded)
     jaxpr = closed.jaxpr
     n_in, n_out = 2 * n + s + m, 2 * n + m
+    groups, order, find, writer = _grouping(closed, n, s, sharded)
+    if not order:
+        return []
+    mixed = [groups[r] for r in order if 0 < len(set(groups[r]) & device) < len(groups[r])]
+    if mixed:
+        raise ValueError(f"the update ties params {mixed[0]} together (one computation reads "
+                         f"them all), but only some of them are in {sorted(device)}")
+    on_device = [r for r in order if groups[r][0] in device]
+    hosted = [r for r in order if groups[r][0] not in device]
+    runs_ = [[hosted[g] for g in run] for run in runs(
+        [sum(sizes[i] for i in groups[r]) for r in hosted], parts,
+        LEAST if least is None else least)]
+    runs_ = ([on_device] if on_device else []) + runs_
+    owner = {r: k for k, run in enumerate(runs_) for r in run}  # group root -> part index
+    first_host = 1 if on_device and hosted else 0
+    out = []
+    for k in range(len(runs_)):
+        params = tuple(i for i in range(n) if owner[find(i)] == k)
+        owned = tuple(j for j in range(m) if sharded[j] and owner[find(n + j)] == k)
+        writes = tuple(j for j in range(m) if not sharded[j] and (
+            owner[find(writer[j])] if writer[j] is not None else first_host) == k)
+        ins = (*params, *range(n, n + s),
+               *(n + s + j for j in range(m) if not sharded[j] or j in owned),
+               *(n + s + m + i for i in params))
+        outs = (*params, *(n + j for j in sorted((*owned, *writes))),
+                *(n + m + i for i in params))
+        used = [False] * n_out
+        for o in outs:
+            used[o] = True
+        keep = [False] * n_in
+        for i in ins:
+            keep[i] = True
+        sub, used_in = pe.dce_jaxpr(jaxpr, used, instantiate=keep)
+        assert [i for i, u in enumerate(used_in) if u] == list(ins), "a part reads another's"
+        out.append(Part(params, owned, writes, jcore.ClosedJaxpr(sub, closed.consts), ins, outs,
+                        bool(on_device) and k == 0))
+    return out
+
+
+def groups(closed, n: int, s: int, sharded: list[bool]) -> list[list[int]]:
+    """The params in the finest groups the update allows (each group's leaves tied together
+    by some computation), in the order of their first param."""
+    found, order, _, _ = _grouping(closed, n, s, sharded)
+    return [found[r] for r in order]
+
+
+def _grouping(closed, n, s, sharded):
+    """(groups of params by root, the roots in order, the root of a node, the node whose group
+    computes each replicated state leaf or None): nodes are the params 0..n-1 and the sharded
+    state leaves n+j; replicated state leaves and the scalars are read by every group."""
+    m = len(sharded)
+    jaxpr = closed.jaxpr
+    n_in, n_out = 2 * n + s + m, 2 * n + m
     assert len(jaxpr.invars) == n_in and len(jaxpr.outvars) == n_out, (n_in, n_out)
 
-    # Nodes: params 0..n-1, then sharded state leaves n+j. Replicated state leaves and the
-    # scalars are shared: every part may read them.
     def node_of_input(i):
         if i < n:
             return i
@@ -97,46 +152,31 @@ def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
         if sharded[j]:
             union({n + j, *reads([n + j])})
     with_params = {find(i) for i in range(n)}
-    for j in range(m):  # a sharded leaf that no param reads or writes: with the first part
-        if sharded[j] and find(n + j) not in with_params:
+    for j in range(m):  # a sharded leaf that no param reads or writes: with the first group
+        if sharded[j] and find(n + j) not in with_params and n:
             union({0, n + j})
-    writer = {}  # replicated state leaf -> a node of the part that computes it
+    writer = {}  # replicated state leaf -> a node of the group that computes it
     for j in range(m):
         if not sharded[j]:
             writer[j] = union(reads([n + j]))
-    groups: dict[int, list[int]] = {}
+    found: dict[int, list[int]] = {}
     for a in range(n):
-        groups.setdefault(find(a), []).append(a)
-    order = sorted(groups, key=lambda r: groups[r][0])
-    if not order:
-        return []
-    runs_ = runs([sum(sizes[i] for i in groups[r]) for r in order], parts,
-                 LEAST if least is None else least)
-    owner = {}  # root -> part index
-    for k, run in enumerate(runs_):
-        for g in run:
-            owner[order[g]] = k
-    out = []
-    for k in range(len(runs_)):
-        params = tuple(i for i in range(n) if owner[find(i)] == k)
-        owned = tuple(j for j in range(m) if sharded[j] and owner.get(find(n + j)) == k)
-        writes = tuple(j for j in range(m) if not sharded[j]
-                       and owner[find(writer[j]) if writer[j] is not None else order[0]] == k)
-        ins = (*params, *range(n, n + s),
-               *(n + s + j for j in range(m) if not sharded[j] or j in owned),
-               *(n + s + m + i for i in params))
-        outs = (*params, *(n + j for j in sorted((*owned, *writes))),
-                *(n + m + i for i in params))
-        used = [False] * n_out
-        for o in outs:
-            used[o] = True
-        keep = [False] * n_in
-        for i in ins:
-            keep[i] = True
-        sub, used_in = pe.dce_jaxpr(jaxpr, used, instantiate=keep)
-        assert [i for i, u in enumerate(used_in) if u] == list(ins), "a part reads another's"
-        out.append(Part(params, owned, writes, jcore.ClosedJaxpr(sub, closed.consts), ins, outs))
-    return out
+        found.setdefault(find(a), []).append(a)
+    order = sorted(found, key=lambda r: found[r][0])
+    return found, order, find, writer
+
+
+def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> frozenset[int]:
+    """Twin-Flow's choice: the params updated on the devices, whole groups from the first on,
+    as close as groups allow to `1 - fraction` of the params (`fraction`: the host's share)."""
+    want, chosen, have = (1 - fraction) * sum(sizes), [], 0
+    for g in found:
+        size = sum(sizes[i] for i in g)
+        if abs(have + size - want) >= abs(have - want):
+            break
+        chosen += g
+        have += size
+    return frozenset(chosen)
 
 
 def runs(sizes: list[int], parts: int, least: int = 0) -> list[list[int]]:
