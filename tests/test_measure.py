@@ -24,7 +24,7 @@ from helpers import sweep
 import zerojax as zj
 from zerojax.analysis.accounting import estimate, state_estimate
 from zerojax.analysis.hlo import collective_bytes
-from zerojax.analysis.measurement import lower, measure, state_bytes
+from zerojax.analysis.measurement import lower, measure, state_bytes, twin_flow_bytes
 from zerojax.models import GPT
 
 PRESET = "small8"
@@ -290,6 +290,23 @@ def test_offloaded_measurement_reads_each_peak_from_its_own_program():
     assert m.state["host"] < m.host_peak_bytes < 1.25 * m.state["host"]
     mem, _ = m.estimates()
     assert mem.host == 12 * m.num_params / 8
+
+
+@pytest.mark.slow  # two engines' programs compiled (~7 CPU s)
+@needs_offload
+def test_twin_flows_share_moves_from_the_host_peak_to_the_devices():
+    """Twin-Flow (half of the params on the devices): the host's update program holds only the
+    host's share (its compiled peak below full offload's, still in place: under 1.25x its
+    state), and the device peak is the devices' program's plus the share they keep (master,
+    moments), which the program does not take."""
+    full, b = tiny(3, "bfloat16", offload="optimizer")
+    twin, _ = tiny(3, "bfloat16", offload="optimizer", offload_fraction=0.5)
+    m0, m1 = measure(full, b), measure(twin, b)
+    share = twin_flow_bytes(twin)
+    assert share > 0 and m1.state["host"] + share == m0.state["host"]
+    assert m1.device_peak_bytes == m0.device_peak_bytes + share
+    assert m1.host_peak_bytes < m0.host_peak_bytes
+    assert m1.state["host"] < m1.host_peak_bytes < 1.25 * m1.state["host"]
 
 
 # --- the state of any optimizer, as its init allocates it ------------------------------------

@@ -215,6 +215,9 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="keep the optimizer state in host memory (stages 1-3); the table "
                         "splits device and host bytes")
+    p.add_argument("--offload-fraction", type=float, default=None, metavar="F",
+                   help="with --offload: the host's share of the state (Twin-Flow; the devices "
+                        "keep the rest, counted in the device peak)")
     quantize_args(p)
     p.add_argument("--replica", type=positive_arg, default=1,
                    help="the make_mesh(replica=R, data=devices/R) mesh; the table splits the "
@@ -225,6 +228,9 @@ def measure_main(argv: list[str]) -> int:
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, --replica > 1): backward gathers within data")
     a = p.parse_args(argv)
+    if a.offload_fraction is not None and (a.offload is None or not 0 < a.offload_fraction <= 1):
+        p.error(f"--offload-fraction {a.offload_fraction} needs --offload optimizer and a value "
+                f"in (0, 1]: the host's share of the state")
     name, shape = model_config(p, a)
     if shape is None:
         p.error("the following arguments are required: --model (or a shape: --layers "
@@ -262,13 +268,15 @@ def measure_main(argv: list[str]) -> int:
     facts = _assumptions(a, name, model, batch, a.replica * data, measured=(
         f"stages {','.join(map(str, a.stage))}, remat {'on' if a.remat else 'off'}, "
         f"grad_accum {a.grad_accum}" + (f", offload {a.offload}" if a.offload else "")
+        + (f" (Twin-Flow: {a.offload_fraction} on the host)" if a.offload_fraction else "")
         + "".join(f", {k.replace('_', ' ')} {v}" for k, v in quant.items() if v)
         + (", hpZ" if a.hpz else "") + (mesh_words if a.replica > 1 or m > 1 else "")))
     print_assumptions(f"zerojax measure: {name} on {a.devices} devices", facts)
     results, progress = [], Progress(len(a.stage))
     for i, stage in enumerate(a.stage, 1):
         cfg = ZeroConfig(stage=stage, param_dtype=a.param_dtype, remat=a.remat,
-                         grad_accum=a.grad_accum, offload=a.offload, hpz=a.hpz, **quant)
+                         grad_accum=a.grad_accum, offload=a.offload, hpz=a.hpz,
+                         offload_fraction=a.offload_fraction or 1.0, **quant)
         label = _label(stage, a.remat, a.grad_accum, a.offload)
         try:
             mesh = make_mesh(replica=a.replica, data=data, model=m,
