@@ -28,6 +28,7 @@ from zerojax.mesh import (
     model_size,
     naming_the_batch,
     put_batch,
+    put_global,
     remember_batch,
 )
 from zerojax.partition import Layout, LeafSpec, logical_shardings, manual, model_plan
@@ -321,7 +322,7 @@ class Engine:
         homes = (None,) * len(args) if homes is None else homes
         if self._offload is None:
             replicated = NamedSharding(self.mesh, P())
-            args = jax.device_put(args, tuple(replicated if h is None else h for h in homes))
+            args = put_global(args, tuple(replicated if h is None else h for h in homes))
             return jax.jit(build, out_shardings=self.state_shardings())(*args)
         return self._offload.built(build, args, homes)
 

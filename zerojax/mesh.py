@@ -176,6 +176,24 @@ def put_batch(batch, mesh: Mesh):
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
+def put_global(tree, shardings):
+    """`tree` placed on `shardings` (a tree of Shardings that is a prefix of `tree`'s). Where a
+    sharding spans other processes' devices, which `jax.device_put` cannot place a host value
+    on, each process gives its own shards of the value it holds (every process holds the same
+    one, as for the params a run starts from); a PRNG key array stays as it is, for the jitted
+    program to take as the replicated value it is."""
+    def put(x, s):
+        if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, s)
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            return x
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, s, lambda index: value[index])
+
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: put(x, s), sub), shardings, tree,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *,
                            heartbeat_timeout_s: int | None = None) -> None:

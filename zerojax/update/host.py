@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
+from zerojax.mesh import put_global
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
 from zerojax.update.offload import DEVICE, across, crosses, host_mesh, to_memory, twins
@@ -160,7 +161,7 @@ class HostOffload:
         eng, arg_homes = self.engine, homes
         homes = eng.state_shardings()
         if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
-            args = jax.device_put(args, tuple(NamedSharding(self.mesh, P()) if h is None else h
+            args = put_global(args, tuple(NamedSharding(self.mesh, P()) if h is None else h
                                               for h in arg_homes))
             return jax.jit(build, out_shardings=homes)(*args)
 
@@ -183,10 +184,10 @@ class HostOffload:
         twin = lambda s: NamedSharding(self.mesh, s.spec)
         on_host = tuple(NamedSharding(self.mesh, P()) if h is None else jax.tree.map(twin, h)
                         for h in arg_homes)
-        hosted = iter(_by_parts(host, jax.device_put(args, on_host),
+        hosted = iter(_by_parts(host, put_global(args, on_host),
                                 [h for h, k in zip(flat_homes, kept) if not k]))
         if any(kept):  # Twin-Flow's share is built from the params on the devices, 1/N each
-            args = jax.device_put(args, tuple(NamedSharding(eng.mesh, P()) if h is None else h
+            args = put_global(args, tuple(NamedSharding(eng.mesh, P()) if h is None else h
                                               for h in arg_homes))
         state, mine = jax.jit(device, out_shardings=(
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
