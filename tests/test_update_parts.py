@@ -185,3 +185,15 @@ def test_a_run_in_parts_on_a_host_mesh_apart(monkeypatch, tmp_path):
                                      for x in jax.tree.leaves(t)])
     start = flat(params)
     assert np.linalg.norm(flat(p1) - flat(p0)) <= 1e-5 * np.linalg.norm(flat(p0) - start)
+
+
+def test_twin_flows_share_is_whole_groups_and_leaves_the_host_some():
+    """`device_share`: whole groups from the first, as close to 1 - fraction of the params as
+    groups allow; the last group stays on the host however small the fraction."""
+    found, sizes = [[0], [1, 2], [3]], [10, 5, 5, 10]
+    share = parts_module.device_share
+    assert share(found, sizes, 1.0) == frozenset()
+    assert share(found, sizes, 0.5) == {0}  # 10 of 30 on the devices, as near 15 as 20 is
+    assert share(found, sizes, 0.3) == {0, 1, 2}  # 20: the nearest to 21
+    assert share(found, sizes, 0.01) == {0, 1, 2}  # never the last group
+    assert share([[0, 1, 2, 3]], sizes, 0.01) == frozenset()

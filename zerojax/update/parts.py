@@ -168,9 +168,10 @@ def _grouping(closed, n, s, sharded):
 
 def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> frozenset[int]:
     """Twin-Flow's choice: the params updated on the devices, whole groups from the first on,
-    as close as groups allow to `1 - fraction` of the params (`fraction`: the host's share)."""
+    as close as groups allow to `1 - fraction` of the params (`fraction`: the host's share),
+    the last group always the host's (`fraction` > 0: the host keeps something)."""
     want, chosen, have = (1 - fraction) * sum(sizes), [], 0
-    for g in found:
+    for g in found[:-1]:
         size = sum(sizes[i] for i in g)
         if abs(have + size - want) >= abs(have - want):
             break
