@@ -321,8 +321,7 @@ class Engine:
         argument, the shardings on this engine's mesh to read it from (None: replicated)."""
         homes = (None,) * len(args) if homes is None else homes
         if self._offload is None:
-            replicated = NamedSharding(self.mesh, P())
-            args = put_global(args, tuple(replicated if h is None else h for h in homes))
+            args = put_global(args, homes, self.mesh)
             return jax.jit(build, out_shardings=self.state_shardings())(*args)
         return self._offload.built(build, args, homes)
 

@@ -176,8 +176,9 @@ def put_batch(batch, mesh: Mesh):
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
-def put_global(tree, shardings):
-    """`tree` placed on `shardings` (a tree of Shardings that is a prefix of `tree`'s). Where a
+def put_global(tree, shardings, mesh: Mesh):
+    """`tree` placed on `shardings` (a tree of Shardings that is a prefix of `tree`'s; None:
+    replicated on `mesh`). Where a
     sharding spans other processes' devices, which `jax.device_put` cannot place a host value
     on, each process gives its own shards of the value it holds (every process holds the same
     one, as for the params a run starts from); a PRNG key array stays as it is, for the jitted
@@ -190,8 +191,10 @@ def put_global(tree, shardings):
         value = np.asarray(x)
         return jax.make_array_from_callback(value.shape, s, lambda index: value[index])
 
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: put(x, s), sub), shardings, tree,
-                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: put(x, replicated if s is None else s), sub),
+        shardings, tree, is_leaf=lambda s: s is None or isinstance(s, jax.sharding.Sharding))
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

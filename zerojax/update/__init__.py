@@ -38,7 +38,7 @@ from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
 from zerojax.update.offload import DEVICE, HOST, to_memory
 from zerojax.update.owners import Owners
-from zerojax.update.parts import PARTS, Part, groups, split
+from zerojax.update.parts import PARTS, Grouping, Part, split
 from zerojax.update.placement import loads
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Flat, Phys, from_pieces, leaf_phys, pad_global
@@ -146,6 +146,7 @@ class ShardedUpdate:
         self._by_path = {tuple(path): rep for (path, _), rep in zip(
             jax.tree.flatten_with_path(logical)[0], self.param_reps)}
         self.state_reps = self._state_reps()
+        self.sharded = [isinstance(r, Flat) for r in self.state_reps]  # stored like the params
 
     # ------------------------------------------------------------------ tracing and planning
 
@@ -240,12 +241,16 @@ class ShardedUpdate:
             self._programs[key] = (prog, treedef, planner)
         return self._programs[key]
 
-    def groups(self) -> list[list[int]]:
-        """The params in the finest groups the update allows (parts.py)."""
-        closed, _ = self._trace(False, [jnp.float32] * len(self.param_reps))
-        n = len(self.param_reps)
-        return groups(closed, n, len(self._in_reps(self.state_reps, False)) - len(
-            self.state_reps) - 2 * n, [isinstance(r, Flat) for r in self.state_reps])
+    def grouping(self, finite: bool = False, gdtypes=None) -> Grouping:
+        """The params in the finest groups the update allows (parts.py), made once a trace."""
+        gdtypes = tuple(jnp.dtype(d) for d in (gdtypes or [jnp.float32] * len(self.param_reps)))
+        key = ("grouping", finite, gdtypes)
+        if key not in self._programs:
+            closed, _ = self._trace(finite, gdtypes)
+            n = len(self.param_reps)
+            s = len(self._in_reps(self.state_reps, finite)) - len(self.state_reps) - 2 * n
+            self._programs[key] = Grouping.of(closed, n, s, self.sharded)
+        return self._programs[key]
 
     def parts(self, finite: bool, gdtypes, device: frozenset[int] = frozenset(),
               host_parts: int | None = None) -> list[tuple[Part, Program]]:
@@ -257,7 +262,6 @@ class ShardedUpdate:
         key = ("parts", finite, gdtypes, device, host_parts)
         if key not in self._programs:
             closed, _ = self._trace(finite, gdtypes)
-            n = len(self.param_reps)
             sizes = [math.prod(leaf.shape) for leaf in self.layout.leaves]
             ins = self._in_reps(self.state_reps, finite)
             outs = self._out_reps(self.state_reps)
@@ -266,8 +270,7 @@ class ShardedUpdate:
                 (part, shard_jaxpr(part.closed, [ins[i] for i in part.inputs],
                                    [outs[o] for o in part.outputs], shards=self.shards,
                                    axis=self.axis, hooks=hooks())[0])
-                for part in split(closed, n, len(ins) - len(self.state_reps) - 2 * n,
-                                  [isinstance(r, Flat) for r in self.state_reps], sizes,
+                for part in split(closed, self.grouping(finite, gdtypes), sizes,
                                   host_parts or PARTS, device=device)]
         return self._programs[key]
 
@@ -356,8 +359,8 @@ class ShardedUpdate:
                                 "busiest": sum(map(max, per_wave))},
                 "assembled": sorted(set(planner.whole_ops + prog.whole_ops)),
                 "control_flow_with_collectives": len(prog.syncs),
-                "state": {"sharded": sum(isinstance(r, Flat) for r in self.state_reps),
-                          "replicated": sum(not isinstance(r, Flat) for r in self.state_reps)}}
+                "state": {"sharded": sum(self.sharded),
+                          "replicated": len(self.sharded) - sum(self.sharded)}}
 
 
 __all__ = ["DEVICE", "HOST", "ShardedUpdate", "StepUpdate", "as_transformation", "step_update",

@@ -39,7 +39,6 @@ from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
 from zerojax.update.offload import DEVICE, across, crosses, host_mesh, to_memory, twins
 from zerojax.update.parts import device_share, runs
-from zerojax.update.reps import Flat
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -72,8 +71,9 @@ class HostOffload:
         def build():
             if self.fraction >= 1:
                 return frozenset(), frozenset()
-            upd, layout = self.engine.plan.update, self.engine.layout
-            found = upd.groups()
+            layout = self.engine.layout
+            grouping = self.engine.plan.update.grouping()
+            found = grouping.groups
             if len(found) < 2:
                 raise ConfigError(
                     f"offload_fraction={self.fraction} splits the update between the host and "
@@ -83,10 +83,7 @@ class HostOffload:
                     f"offload_fraction=1.0")
             device = device_share(found, [math.prod(leaf.shape) for leaf in layout.leaves],
                                   self.fraction)
-            if not device:
-                return frozenset(), frozenset()
-            (first, _), *_ = upd.parts(False, [jnp.float32] * len(layout.leaves), device)
-            return device, frozenset(first.owned)
+            return device, grouping.owned(device)
 
         return self._cached("split", build)
 
@@ -161,9 +158,7 @@ class HostOffload:
         eng, arg_homes = self.engine, homes
         homes = eng.state_shardings()
         if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
-            args = put_global(args, tuple(NamedSharding(self.mesh, P()) if h is None else h
-                                              for h in arg_homes))
-            return jax.jit(build, out_shardings=homes)(*args)
+            return jax.jit(build, out_shardings=homes)(*put_global(args, arg_homes, self.mesh))
 
         # The hosted fields' leaves, and which of them Twin-Flow keeps on the devices.
         fields = lambda st: tuple(getattr(st, f) for f in HOSTED)
@@ -182,13 +177,11 @@ class HostOffload:
         # Each argument on the host mesh as `homes` places it on the devices' (given params
         # 1/N per host device), else replicated.
         twin = lambda s: NamedSharding(self.mesh, s.spec)
-        on_host = tuple(NamedSharding(self.mesh, P()) if h is None else jax.tree.map(twin, h)
-                        for h in arg_homes)
-        hosted = iter(_by_parts(host, put_global(args, on_host),
+        on_host = tuple(None if h is None else jax.tree.map(twin, h) for h in arg_homes)
+        hosted = iter(_by_parts(host, put_global(args, on_host, self.mesh),
                                 [h for h, k in zip(flat_homes, kept) if not k]))
         if any(kept):  # Twin-Flow's share is built from the params on the devices, 1/N each
-            args = put_global(args, tuple(NamedSharding(eng.mesh, P()) if h is None else h
-                                              for h in arg_homes))
+            args = put_global(args, arg_homes, eng.mesh)
         state, mine = jax.jit(device, out_shardings=(
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
         mine = iter(mine)
@@ -293,7 +286,7 @@ class HostOffload:
             specs = eng._manual_specs()
             leaves = lambda tree: jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
             master, opt = leaves(specs.master), leaves(specs.opt_state)
-            sharded = [isinstance(r, Flat) for r in eng.plan.update.state_reps]
+            sharded = eng.plan.update.sharded
             scalars = (*reduced[1:3], *([P()] if finite else []), P())
             shared = [j for j, s in enumerate(sharded) if not s]
             out = []
@@ -455,7 +448,7 @@ class HostOffload:
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
         parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same)
-        sharded = [isinstance(r, Flat) for r in self.engine.plan.update.state_reps]
+        sharded = self.engine.plan.update.sharded
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)
         # the scalars and the replicated state leaves (small) where each part runs
@@ -556,7 +549,7 @@ class HostOffload:
             ((part, fn),) = [(p, f) for p, f in parts if not p.on_device]
             master, opt, g = (jax.tree.leaves(t) for t in (state.master, state.opt_state,
                                                            grads))
-            sharded = [isinstance(r, Flat) for r in self.engine.plan.update.state_reps]
+            sharded = self.engine.plan.update.sharded
             return fn.lower(tuple(x for x in reduced[1:] if x is not None),
                             [x for x, s in zip(opt, sharded) if not s],
                             [master[i] for i in part.params], [opt[j] for j in part.owned],

@@ -19,6 +19,7 @@ or a model of fewer than 2 x LEAST params, is one part: the one program, as befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public form in jax 0.10
@@ -45,22 +46,19 @@ class Part:
     on_device: bool = False  # Twin-Flow: updated by the devices, its state in their memory
 
 
-def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
-          parts: int = PARTS, least: int | None = None,
-          device: frozenset[int] = frozenset()) -> list[Part]:
-    """`closed`'s update as at most about `parts` parts of similar size (`sizes`: elements per
-    param), each of at least `least` elements (default LEAST) or one group of leaves that the
-    update ties together. With `device` (params updated on the devices: Twin-Flow), the first
-    part holds exactly those (`on_device`), the others the rest; ValueError where a group of
-    leaves the update ties together has some on each side.
-
-    `closed`'s inputs: n gradients, s scalars, the state's leaves (`sharded[j]`: leaf j is
-    stored like the params, else replicated), n master leaves; outputs: n master leaves, the
-    state's leaves, n shards."""
+def split(closed, grouping: Grouping, sizes: list[int], parts: int = PARTS,
+          least: int | None = None, device: frozenset[int] = frozenset()) -> list[Part]:
+    """`closed`'s update (the jaxpr `grouping` was read from) as at most about `parts` parts
+    of similar size (`sizes`: elements per param), each of at least `least` elements (default
+    LEAST) or one group of leaves that the update ties together. With `device` (params
+    updated on the devices: Twin-Flow), the first part holds exactly those (`on_device`), the
+    others the rest; ValueError where a group of leaves the update ties together has some on
+    each side."""
+    n, s, sharded = grouping.n, grouping.s, grouping.sharded
     m = len(sharded)
     jaxpr = closed.jaxpr
     n_in, n_out = 2 * n + s + m, 2 * n + m
-    groups, order, find, writer = _grouping(closed, n, s, sharded)
+    groups, order, find, writer = grouping.found, grouping.order, grouping.find, grouping.writer
     if not order:
         return []
     mixed = [groups[r] for r in order if 0 < len(set(groups[r]) & device) < len(groups[r])]
@@ -99,11 +97,40 @@ def split(closed, n: int, s: int, sharded: list[bool], sizes: list[int],
     return out
 
 
-def groups(closed, n: int, s: int, sharded: list[bool]) -> list[list[int]]:
-    """The params in the finest groups the update allows (each group's leaves tied together
-    by some computation), in the order of their first param."""
-    found, order, _, _ = _grouping(closed, n, s, sharded)
-    return [found[r] for r in order]
+@dataclass(frozen=True)
+class Grouping:
+    """The finest groups the update allows: nodes are the params 0..n-1 and the sharded state
+    leaves n+j; replicated state leaves and the s scalars are read by every group. `found`:
+    the params of each group by its root; `order`: the roots by their first param; `find`: a
+    node's root; `writer`: per replicated state leaf, a node of the group that computes it
+    (None: any)."""
+
+    n: int
+    s: int
+    sharded: tuple[bool, ...]
+    found: dict
+    order: list
+    find: Callable[[int], int]
+    writer: dict
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The params by group, in the order of their first param."""
+        return [self.found[r] for r in self.order]
+
+    def owned(self, params: frozenset[int]) -> frozenset[int]:
+        """The sharded state leaves of the groups of `params` (whole groups)."""
+        roots = {self.find(i) for i in params}
+        return frozenset(j for j, sh in enumerate(self.sharded)
+                         if sh and self.find(self.n + j) in roots)
+
+    @classmethod
+    def of(cls, closed, n: int, s: int, sharded: list[bool]) -> Grouping:
+        """`closed`'s grouping: inputs n gradients, s scalars, the state's leaves
+        (`sharded[j]`: stored like the params, else replicated), n master leaves; outputs n
+        master leaves, the state's leaves, n shards."""
+        found, order, find, writer = _grouping(closed, n, s, sharded)
+        return cls(n, s, tuple(sharded), found, order, find, writer)
 
 
 def _grouping(closed, n, s, sharded):
