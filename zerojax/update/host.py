@@ -5,7 +5,8 @@ A step is three programs, dispatched in order and run asynchronously:
 
   gradients  device mesh: forward, backward and reduction (`step.local_grads`); the reduced
              gradient shard ends in host memory, per unit inside the backward at stages 2-3
-             (`step.per_unit`), in its reduction dtype
+             (`step.per_unit`), in its reduction dtype (Twin-Flow's share stays in device
+             memory, for the devices' update)
   update     host mesh: unscaling, clipping, optax and the loss-scale skip (the step's own
              `ShardedUpdate`) on the donated master and optimizer state, so in place, one
              partition per CPU device; out come the compute-dtype shards
@@ -37,7 +38,7 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import put_global
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import DEVICE, across, crosses, host_mesh, to_memory, twins
+from zerojax.update.offload import across, crosses, host_mesh, twins
 from zerojax.update.parts import device_share, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
@@ -221,19 +222,20 @@ class HostOffload:
 
         def build():
             device, reduced, _, full = self._specs()
+            kept = self.on_devices("master")  # Twin-Flow's gradient stays in device memory
 
             def body(plan, state, batch):
-                reduced, model_state, means = local_grads(plan, state, batch)
+                reduced, model_state, means = local_grads(plan, state, batch, kept)
                 new, metrics = settle(plan, state, reduced, model_state, means)
                 return new, reduced, metrics
 
             fn = jax.shard_map(partial(body, eng.plan), mesh=eng.mesh,
                                in_specs=(device, P(eng.axes)), out_specs=(device, reduced, P()),
                                axis_names=frozenset(eng.axes), check_vma=True)
-            # The gradient shard leaves the device in the program that makes it.
+            # The gradient shard leaves the device in the program that makes it (Twin-Flow's
+            # stays, for the devices' update).
             on = lambda kind: lambda s: NamedSharding(eng.mesh, s, memory_kind=kind)
-            grads = jax.tree.map(on("pinned_host"), full.master,
-                                 is_leaf=lambda x: isinstance(x, P))
+            grads = self.by_home("master", full.master, on("pinned_host"), on("device"))
             return jax.jit(fn, out_shardings=(self.device_part(eng.state_shardings()),
                                               (grads, None, None, None, None), None))
 
@@ -275,10 +277,9 @@ class HostOffload:
         """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
         its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
         a program of its own: [(part, its program)]. A part runs on the host mesh, Twin-Flow's
-        on the devices' (its gradient read from their host memory into device memory, its
-        state and shards in device memory). `donate` as `_update_fn`'s; a replicated state
-        leaf (read by every part) is not donated. `host_parts`: the host's leaves in at most
-        this many parts (default: parts.py's)."""
+        on the devices' (its gradient, state and shards in device memory). `donate` as
+        `_update_fn`'s; a replicated state leaf (read by every part) is not donated.
+        `host_parts`: the host's leaves in at most this many parts (default: parts.py's)."""
         eng = self.engine
 
         def build():
@@ -297,8 +298,6 @@ class HostOffload:
 
                 def body(scalars, shared_, master_, own, grads, part=part, prog=prog,
                          shared=shared, mine=mine):
-                    if part.on_device:  # the gradient waits in the devices' host memory
-                        grads = to_memory(grads, DEVICE)
                     state = dict(zip(shared, shared_, strict=True))
                     state.update(zip(part.owned, own, strict=True))
                     outs = prog(*grads, *scalars, *(state[j] for j in sorted(state)), *master_)
@@ -313,9 +312,7 @@ class HostOffload:
                     out_specs=([master[i] for i in part.params], [opt[j] for j in mine],
                                [shards[i] for i in part.params]))
                 on = lambda specs, mesh=mesh: [NamedSharding(mesh, s) for s in specs]
-                # (a gradient in host memory cannot take shards in device memory)
-                donated = ((2, 3, 4) if grads_too and not part.on_device else (2, 3)) \
-                    if donate else ()
+                donated = ((2, 3, 4) if grads_too else (2, 3)) if donate else ()
                 out.append((part, jax.jit(fn, donate_argnums=donated, keep_unused=True,
                                           out_shardings=(
                                               on(leaves(full.master)[i] for i in part.params),
@@ -342,16 +339,14 @@ class HostOffload:
 
     def _store_fn(self, on_device: bool):
         """`(gradient leaves, ok) -> float32 leaves, zero where the step was skipped`: the
-        pending update's gradient of the host's leaves, or of Twin-Flow's (read from the
-        devices' host memory into their memory)."""
+        pending update's gradient of the host's leaves, or of Twin-Flow's (in the devices'
+        memory)."""
         def build():
             on = self.on_devices("master")
             homes = [h for i, h in enumerate(jax.tree.leaves(
                 self.engine.state_shardings().pending.grads)) if (i in on) == on_device]
 
             def store(grads, ok):
-                if on_device:
-                    grads = to_memory(grads, DEVICE)
                 return [jnp.where(ok, g.astype(jnp.float32), 0.0) for g in grads]
 
             return jax.jit(store, out_shardings=homes)
