@@ -14,7 +14,6 @@ import resource
 import shutil
 import sys
 import threading
-import weakref
 from pathlib import Path
 
 import jax
@@ -22,9 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.errors import ArgumentError, CheckpointError, ConfigError
-
-# engine -> (its plan, the jitted finiteness flags of the checked leaves, their names)
-_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from zerojax.update.offload import by_mesh
 
 
 def check_keep(keep) -> int | None:
@@ -64,18 +61,15 @@ def _checked(engine, tree) -> list[tuple[str, jax.Array]]:
 
 def first_nonfinite(engine, tree) -> str | None:
     """The name of the first leaf of the logical `tree` (params, then optimizer moments) that
-    holds a NaN or inf, or None; one small reduction per leaf on the devices."""
-    cached = _CHECKS.get(engine)
-    if cached is None or cached[0] is not engine.plan:
-        flags = jax.jit(lambda t: jnp.stack([jnp.all(jnp.isfinite(x))
-                                             for _, x in _checked(engine, t)]))
-        names = [name for name, _ in _checked(engine, jax.eval_shape(lambda t: t, tree))]
-        _CHECKS[engine] = cached = (engine.plan, flags, names)
-    _, flags, names = cached
-    if not names:
+    holds a NaN or inf, or None; one small reduction per leaf, where the leaf lives."""
+    checked = _checked(engine, tree)
+    if not checked:
         return None
-    ok = np.asarray(jax.device_get(flags(tree)))
-    return None if ok.all() else names[int(np.argmin(ok))]
+    ok = np.asarray(jax.device_get(by_mesh(_finite, [x for _, x in checked])))
+    return None if ok.all() else checked[int(np.argmin(ok))][0]
+
+
+_finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])
 
 
 # tensorstore names the OS error of a failed write: "... File too large [os_error_code='27']"

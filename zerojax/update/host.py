@@ -38,7 +38,7 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import put_global
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import across, crosses, host_mesh, twins
+from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
 from zerojax.update.parts import device_share, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
@@ -121,29 +121,6 @@ class HostOffload:
         """`state` without what lives on the host mesh."""
         return state._replace(master=None, opt_state=None, pending=None)
 
-    def _moved(self, state, shardings, free: bool):
-        """`state` with its host leaves put on `shardings`; `free`: one leaf at a time, each
-        source deleted once copied (the copy's peak is one leaf, not the host state; jax does
-        not donate across memory kinds). From the devices' pinned host memory to the host mesh
-        of another backend, a leaf goes shard by shard, as the step's gradient does
-        (`offload.across`): read where it is, so there is nothing to copy or free."""
-        def put(x, s):
-            if free and self._crosses and s.mesh is self.mesh:
-                return across([x], [s], self._twins[0], True)[0]
-            y = jax.device_put(x, s)
-            if free and y is not x:  # (the same array where nothing moves)
-                y.block_until_ready()
-                x.delete()
-            return y
-
-        return state._replace(**{f: jax.tree.map(put, getattr(state, f), getattr(shardings, f))
-                                 for f in HOSTED if getattr(state, f) is not None})
-
-    def to_host(self, state):
-        """A state built on the device mesh (the view's shardings) moved to its home, each
-        leaf's device-mesh copy freed as it goes."""
-        return self._moved(state, self.engine.state_shardings(), True)
-
     def built(self, build, args, homes):
         """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
         master, optimizer state (and pending update) by the host mesh's, the rest by the
@@ -187,21 +164,50 @@ class HostOffload:
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
         mine = iter(mine)
         built = tree.unflatten([next(mine) if k else next(hosted) for k in kept])
-        state = state._replace(**dict(zip(HOSTED, built, strict=True)))
+        return self._refreshed(state._replace(**dict(zip(HOSTED, built, strict=True))))
+
+    def _refreshed(self, state):
+        """`state` with its compute params made from its master's compute-dtype shards by the
+        step's refresh (into `state.compute`, donated)."""
         master, on = jax.tree.leaves(state.master), self.on_devices("master")
         shards = [None] * len(master)
-        cast = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in m])
+        cast = jax.jit(lambda m: [x.astype(self.engine.plan.dtype) for x in m])
         for side in ([i for i in range(len(master)) if i not in on], sorted(on)):
             for i, x in zip(side, cast([master[i] for i in side]) if side else []):
                 shards[i] = x  # on the mesh its master leaf lives on
         compute = self._refresh_fn(True)(self.up(shards), state.compute)
         return state._replace(compute=compute)
 
-    def to_view(self, state):
-        """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
-        the programs that read the whole state on the device mesh take it (checkpoint layout,
-        logical params)."""
-        return self._moved(state, self.engine.view_shardings(), False)
+    def from_logical(self, build, tree):
+        """The state `build(tree)` makes from a logical tree, each part by a program of the
+        mesh it lives on (`OnMeshes`): the master and optimizer state from the params and
+        optimizer state on the host mesh (restore reads them there; Twin-Flow's share moves
+        on to the devices), the rest on the devices'; the compute params, unless the tree
+        holds those the next step runs on ("delayed"), from the new master as `built` makes
+        them. So a restore of a model larger than the devices' memory never holds its master
+        and moments there."""
+        eng = self.engine
+        target = eng.logical_target(delayed="delayed" in tree)
+        hosted = {"params", "opt_state"}
+        tree = {k: jax.tree.map(lambda x, t, k=k: _placed(
+            x, NamedSharding(self.mesh, t.sharding.spec) if k in hosted else t.sharding),
+            v, target[k]) for k, v in tree.items()}
+        lagging = eng._delay is not None and "delayed" in tree
+        homes = eng.state_shardings()
+        if not lagging:
+            homes = homes._replace(compute=None)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 eng.abstract_state().compute)
+
+        def make():
+            return OnMeshes(build if lagging else lambda t: build(t)._replace(compute=None),
+                            homes)
+
+        state = self._cached(("from_logical", lagging, jax.tree.structure(tree)), make)(tree)
+        if lagging:
+            return state
+        compute = jax.jit(lambda: zeros, out_shardings=eng.state_shardings().compute)()
+        return self._refreshed(state._replace(compute=compute))
 
     # ------------------------------------------------------------ the programs
 
@@ -554,6 +560,13 @@ class HostOffload:
 
 
 PARTS = 16  # the host build's outputs in about this many programs
+
+
+def _placed(x, sharding):
+    """`x` on `sharding`: as it is where it is there already (a restore read it there)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 def _by_parts(fn, args, shardings):

@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public form in jax 0.10
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
 
@@ -85,3 +88,103 @@ def across(xs: list, shardings: list, twin: dict, by_shard: bool) -> list:
             x.shape, s, [jax.device_put(p.data, twin[p.device]) for p in x.addressable_shards])
 
     return [put(x, s) for x, s in zip(xs, shardings, strict=True)]
+
+
+def mesh_of(x) -> Mesh | None:
+    """The mesh an array's NamedSharding names (None for another sharding)."""
+    return getattr(x.sharding, "mesh", None)
+
+
+def by_mesh(fn, xs: list) -> list:
+    """`fn(xs)` (a jitted map of a list of arrays to one output each) for arrays on several
+    meshes: one call per mesh, each on that mesh's arrays, the outputs in the order of `xs`."""
+    groups: dict = defaultdict(list)
+    for i, x in enumerate(xs):
+        groups[mesh_of(x)].append(i)
+    out = [None] * len(xs)
+    for idx in groups.values():
+        for i, y in zip(idx, fn([xs[i] for i in idx]), strict=True):
+            out[i] = y
+    return out
+
+
+def _filler(x):
+    """A function giving a value of `x`'s type (a zero; a PRNG key array of its impl)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl, data = jax.random.key_impl(x), jax.eval_shape(jax.random.key_data, x)
+        return lambda: jax.random.wrap_key_data(jnp.zeros(data.shape, data.dtype), impl=impl)
+    return lambda: jnp.zeros(x.shape, x.dtype)
+
+
+class OnMeshes:
+    """`jax.jit(fn, out_shardings=homes)(*args)` where the arguments and the outputs live on
+    several meshes (offload's host mesh, the devices' mesh), which one program cannot span:
+    one program per mesh, giving the outputs that live there from the arguments that live
+    there (the others are dead in it, stood in for by zeros).
+
+    `homes`: per output a NamedSharding, or a PartitionSpec: on the mesh of the arguments the
+    output reads (`default` where it reads none). Which arguments each output reads is read
+    from the traced program. An argument that only another mesh's outputs read moves there
+    first (`across`); an output that would read arguments of two meshes is a ValueError.
+    Made from the first arguments it is called with (their shapes and meshes)."""
+
+    def __init__(self, fn, homes, default: Mesh | None = None):
+        self.fn, self.homes, self.default, self._made = fn, homes, default, None
+
+    def _make(self, args):
+        flat, tree = jax.tree.flatten(args)
+        is_home = lambda x: isinstance(x, (NamedSharding, P))
+        homes, out_tree = jax.tree.flatten(self.homes, is_leaf=is_home)
+        closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(self.fn(*jax.tree.unflatten(
+            tree, a))))(*flat)
+        if len(closed.jaxpr.outvars) != len(homes):
+            raise ValueError(f"fn gives {len(closed.jaxpr.outvars)} outputs for {len(homes)} "
+                             f"homes")
+        reads = [{i for i, r in enumerate(pe.dce_jaxpr(
+            closed.jaxpr, [o == k for k in range(len(homes))])[1]) if r}
+            for o in range(len(homes))]
+        for o, h in enumerate(homes):
+            if isinstance(h, P):
+                meshes = {mesh_of(flat[i]) for i in reads[o]} or {self.default}
+                if len(meshes) > 1:
+                    raise ValueError(f"output {o} reads arguments {sorted(reads[o])} of "
+                                     f"{len(meshes)} meshes")
+                homes[o] = NamedSharding(meshes.pop(), h)
+        # where each argument is read: an argument read by one other mesh alone moves there
+        moves = {}
+        for i, x in enumerate(flat):
+            readers = {homes[o].mesh for o in range(len(homes)) if i in reads[o]}
+            if len(readers) > 1:
+                raise ValueError(f"argument {i} is read on {len(readers)} meshes")
+            if readers and mesh_of(x) not in readers:
+                moves[i] = readers.pop()
+        fill = [_filler(x) for x in flat]
+        programs = []
+        for mesh in dict.fromkeys(h.mesh for h in homes):
+            ins = [i for i, x in enumerate(flat) if moves.get(i, mesh_of(x)) == mesh]
+            outs = [o for o, h in enumerate(homes) if h.mesh == mesh]
+
+            def part(*mine, ins=ins, outs=outs):
+                a = [f() for f in fill]
+                for i, x in zip(ins, mine, strict=True):
+                    a[i] = x
+                got = jax.tree.leaves(self.fn(*jax.tree.unflatten(tree, a)))
+                return [got[o] for o in outs]
+
+            programs.append((ins, outs, jax.jit(part, out_shardings=[homes[o] for o in outs])))
+        return programs, moves, out_tree, len(homes)
+
+    def __call__(self, *args):
+        if self._made is None:
+            self._made = self._make(args)
+        programs, moves, out_tree, n = self._made
+        flat = jax.tree.leaves(args)
+        for i, mesh in moves.items():
+            x, src = flat[i], mesh_of(flat[i])
+            twin = twins(src, mesh)
+            (flat[i],) = across([x], [NamedSharding(mesh, x.sharding.spec)], twin, crosses(twin))
+        out = [None] * n
+        for ins, outs, prog in programs:
+            for o, y in zip(outs, prog(*(flat[i] for i in ins)), strict=True):
+                out[o] = y
+        return jax.tree.unflatten(out_tree, out)
