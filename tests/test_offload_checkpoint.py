@@ -115,3 +115,44 @@ def test_on_meshes_runs_each_output_where_it_reads():
         OnMeshes(lambda x, y: x + y, P("data"))(x, y)
     with pytest.raises(ValueError, match="argument 0 is read on 2 meshes"):
         OnMeshes(lambda x: (x, x), (P("data"), NamedSharding(b, P("data"))))(x)
+
+
+def test_one_devices_save_is_a_view_and_its_restore_frees_the_tree_as_it_goes(monkeypatch,
+                                                                               tmp_path):
+    """On one CPU device (one GPU's host), a save hands orbax the master and moments as views
+    of the state's own buffers (nothing copied), and the next step still updates them in
+    place; a restore in parts frees each read array once its part is made, and the restored
+    master is the program's own, so the first step after it is in place too."""
+    from zerojax.update import host
+
+    mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload="optimizer"))
+    batches = [gpt_batch(tiny_gpt().cfg, 2, s) for s in range(3)]
+    state, _ = eng.step(eng.init(jax.random.key(0), batches[0]), batches[0])
+    where = lambda st: [x.unsafe_buffer_pointer() for x in jax.tree.leaves((st.master,
+                                                                          st.opt_state))]
+    before = where(state)
+    seen = spied(monkeypatch)
+    eng.save(state, tmp_path / "ckpt")
+    saved = [x for x in jax.tree.leaves((seen["saved"]["params"], seen["saved"]["opt_state"]))
+             if x.ndim]
+    assert len(saved) > 1 and {x.unsafe_buffer_pointer() for x in saved} <= set(before)
+    del saved, seen["saved"]
+    state, _ = eng.step(state, batches[1])
+    assert where(state) == before  # in place: the views are gone with the save
+
+    monkeypatch.setattr(host, "RESTORE_LEAST", 0)
+    read = []
+    spy = store.read_arrays
+    monkeypatch.setattr(store, "read_arrays", lambda *a: read.append(spy(*a)) or read[-1])
+    back = eng.restore(tmp_path / "ckpt")
+    n = len(jax.tree.leaves(back.master))
+    hosted = read[0][:n + len(jax.tree.leaves(back.opt_state))]  # params, then opt_state
+    assert sum(x.is_deleted() for x in hosted) >= n  # the params and moments, read and freed
+    parts = [k for k in eng._jit_cache if "from_logical" in str(k)]
+    assert parts and len(eng._jit_cache[parts[0]][1]._made[0]) > 1  # the host's in parts
+    first = where(back)
+    back, m1 = eng.step(back, batches[1])
+    assert where(back) == first
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(back.master)[0]),
+                                  np.asarray(jax.tree.leaves(state.master)[0]))

@@ -520,6 +520,12 @@ class Engine:
         """The TrainState of a `logical` tree on this engine's mesh and stage, adopting the
         units `leaves` (e.g. as a checkpoint records them); `loss_scale=False` starts the loss
         scale afresh."""
+        return self._from_logical(tree, leaves, treedef, loss_scale=loss_scale)
+
+    def _from_logical(self, tree, leaves=None, treedef=None, *, loss_scale: bool = True,
+                      owned: bool = False) -> TrainState:
+        """`from_logical`; `owned`: the tree's arrays are this call's to free as it goes (a
+        restore's, freshly read)."""
         if leaves is not None and (self.plan is None or (self.layout.leaves,
                                                          self.layout.treedef) != (leaves,
                                                                                   treedef)):
@@ -539,7 +545,7 @@ class Engine:
                 if self._delay and "delayed" in tree else st
 
         if self._offload is not None:  # each part made on the mesh it lives on
-            return self._offload.from_logical(build, tree)
+            return self._offload.from_logical(build, tree, loss_scale, owned)
         return jax.jit(build, out_shardings=self.state_shardings())(tree)
 
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.checkpoint.record import by_rows
 from zerojax.errors import ArgumentError, CheckpointError, ConfigError
 from zerojax.update.offload import by_mesh
 
@@ -65,11 +66,16 @@ def first_nonfinite(engine, tree) -> str | None:
     checked = _checked(engine, tree)
     if not checked:
         return None
-    ok = np.asarray(jax.device_get(by_mesh(_finite, [x for _, x in checked])))
+    ok = np.asarray(jax.device_get(by_mesh(lambda group: (
+        _finite_by_rows if len(group[0].sharding.device_set) == 1 else _finite)(group),
+        [x for _, x in checked])))
     return None if ok.all() else checked[int(np.argmin(ok))][0]
 
 
 _finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])
+# on one device by blocks of rows, as the checksums (record.by_rows)
+_finite_by_rows = jax.jit(lambda xs: [by_rows(x, lambda p, _: jnp.all(jnp.isfinite(p)),
+                                              jnp.bool_(True), jnp.logical_and) for x in xs])
 
 
 # tensorstore names the OS error of a failed write: "... File too large [os_error_code='27']"

@@ -33,6 +33,7 @@ from zerojax.checkpoint.record import (
     FORMAT_VERSION,
     check_record,
     checksum,
+    checksum_by_rows,
     describe,
     leaf_checksums,
     named_leaves,
@@ -76,11 +77,12 @@ def _saver(engine):
         # Offload: each logical leaf made on the mesh its state leaf lives on, the host's
         # master and optimizer state by the CPU backend, so that a model larger than the
         # devices' memory saves; its checksum read there too.
-        on = OnMeshes(engine.logical, jax.tree.map(lambda s: s.spec, shardings), engine.mesh)
+        on = OnMeshes(engine.logical, jax.tree.map(lambda s: s.spec, shardings), engine.mesh,
+                      views=True)
 
         def to_logical(state):
             tree = on(state)
-            return tree, by_mesh(_checksums, [x for _, _, x in named_leaves(tree)])
+            return tree, _sums([x for _, _, x in named_leaves(tree)])
 
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
     dtypes = [jnp.dtype(m.dtype).name for m in jax.tree.leaves(model)]
@@ -89,6 +91,15 @@ def _saver(engine):
 
 
 _checksums = jax.jit(lambda xs: [checksum(x) for x in xs])
+_checksums_by_rows = jax.jit(lambda xs: [checksum_by_rows(x) for x in xs])
+
+
+def _sums(xs: list) -> list:
+    """`checksum` of each array, by a program of the mesh it lives on; on one device by
+    blocks of rows (`record.by_rows`): the host's leaves of a model larger than the devices'
+    memory, whose index hashes XLA:CPU would otherwise hold whole beside them."""
+    return by_mesh(lambda group: (_checksums_by_rows if len(group[0].sharding.device_set) == 1
+                                  else _checksums)(group), xs)
 
 
 # ---------------------------------------------------------------- save / restore
@@ -416,7 +427,7 @@ def _load(engine, mngr, path: Path, step: int):
     except CheckpointError as e:
         raise _Damaged(str(e)) from None
     tree = unparts(jax.tree.unflatten(jax.tree.structure(parts(target)), arrays))
-    sums = jax.device_get(by_mesh(_checksums, [x for _, _, x in named_leaves(tree)]))
+    sums = jax.device_get(_sums([x for _, _, x in named_leaves(tree)]))
     bad = [name for name, (_, r), s in zip(want, records, sums, strict=True)
            if r["checksum"] != s]
     if bad:
@@ -457,4 +468,4 @@ def restore(engine, directory, step: int | None = None):
 
     # Only now, with the arrays read and verified, does the engine adopt the recorded units.
     saved_scale = meta["dynamic_loss_scale"] and engine.config.dynamic_scale
-    return engine.from_logical(tree, leaves, treedef, loss_scale=saved_scale)
+    return engine._from_logical(tree, leaves, treedef, loss_scale=saved_scale, owned=True)

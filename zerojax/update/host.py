@@ -178,14 +178,16 @@ class HostOffload:
         compute = self._refresh_fn(True)(self.up(shards), state.compute)
         return state._replace(compute=compute)
 
-    def from_logical(self, build, tree):
+    def from_logical(self, build, tree, loss_scale: bool, owned: bool):
         """The state `build(tree)` makes from a logical tree, each part by a program of the
         mesh it lives on (`OnMeshes`): the master and optimizer state from the params and
         optimizer state on the host mesh (restore reads them there; Twin-Flow's share moves
         on to the devices), the rest on the devices'; the compute params, unless the tree
         holds those the next step runs on ("delayed"), from the new master as `built` makes
         them. So a restore of a model larger than the devices' memory never holds its master
-        and moments there."""
+        and moments there. `loss_scale`: `build`'s (part of what its programs are cached by);
+        `owned`: the tree's arrays are freed as their programs are done (a restore's, which
+        then holds the logical tree beside the new state a part at a time: about 1/PARTS)."""
         eng = self.engine
         target = eng.logical_target(delayed="delayed" in tree)
         hosted = {"params", "opt_state"}
@@ -201,9 +203,10 @@ class HostOffload:
 
         def make():
             return OnMeshes(build if lagging else lambda t: build(t)._replace(compute=None),
-                            homes)
+                            homes, parts=PARTS, least=RESTORE_LEAST, free=owned)
 
-        state = self._cached(("from_logical", lagging, jax.tree.structure(tree)), make)(tree)
+        key = ("from_logical", lagging, loss_scale, owned, jax.tree.structure(tree))
+        state = self._cached(key, make)(tree)
         if lagging:
             return state
         compute = jax.jit(lambda: zeros, out_shardings=eng.state_shardings().compute)()
@@ -559,7 +562,8 @@ class HostOffload:
             reduced[1:], state.master, state.opt_state, reduced[0])
 
 
-PARTS = 16  # the host build's outputs in about this many programs
+PARTS = 16  # the host build's outputs in about this many programs (init, restore)
+RESTORE_LEAST = 1 << 28  # a mesh's restored bytes at least for parts: below, one program
 
 
 def _placed(x, sharding):

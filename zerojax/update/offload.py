@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public form in jax 0.10
+from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
+from zerojax.update.parts import runs
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -126,10 +128,21 @@ class OnMeshes:
     output reads (`default` where it reads none). Which arguments each output reads is read
     from the traced program. An argument that only another mesh's outputs read moves there
     first (`across`); an output that would read arguments of two meshes is a ValueError.
-    Made from the first arguments it is called with (their shapes and meshes)."""
+    Made from the first arguments it is called with (their shapes and meshes).
 
-    def __init__(self, fn, homes, default: Mesh | None = None):
+    `views`: an output that is its one argument reshaped, on the one CPU device the argument
+    lives on, is that argument's buffer seen in the output's shape (nothing is copied; while
+    the view lives, a program donating the argument copies it instead). For what is written
+    and dropped (a save), not for state that programs go on to donate (a restore).
+    `parts`: a mesh's outputs of at least `least` bytes in about that many programs by bytes,
+    each reading only its own arguments; `free`: each argument deleted once the last program
+    that reads it has run (the caller's own: a restore's freshly read tree), so that the
+    peak is the outputs and a part's arguments, not the outputs beside all the arguments."""
+
+    def __init__(self, fn, homes, default: Mesh | None = None, *, views: bool = False,
+                 parts: int = 1, least: int = 0, free: bool = False):
         self.fn, self.homes, self.default, self._made = fn, homes, default, None
+        self.views, self.parts, self.least, self.free = views, parts, least, free
 
     def _make(self, args):
         flat, tree = jax.tree.flatten(args)
@@ -140,9 +153,9 @@ class OnMeshes:
         if len(closed.jaxpr.outvars) != len(homes):
             raise ValueError(f"fn gives {len(closed.jaxpr.outvars)} outputs for {len(homes)} "
                              f"homes")
-        reads = [{i for i, r in enumerate(pe.dce_jaxpr(
-            closed.jaxpr, [o == k for k in range(len(homes))])[1]) if r}
-            for o in range(len(homes))]
+        dced = [pe.dce_jaxpr(closed.jaxpr, [o == k for k in range(len(homes))])
+                for o in range(len(homes))]
+        reads = [{i for i, r in enumerate(used) if r} for _, used in dced]
         for o, h in enumerate(homes):
             if isinstance(h, P):
                 meshes = {mesh_of(flat[i]) for i in reads[o]} or {self.default}
@@ -158,33 +171,93 @@ class OnMeshes:
                 raise ValueError(f"argument {i} is read on {len(readers)} meshes")
             if readers and mesh_of(x) not in readers:
                 moves[i] = readers.pop()
+        views = {o: i for o, (j, _) in enumerate(dced) if self.views and len(reads[o]) == 1
+                 and (i := next(iter(reads[o]))) not in moves
+                 and _one_cpu(flat[i]) and homes[o].device_set == flat[i].sharding.device_set
+                 and _reshapes(j)}
+        avals = [v.aval for v in closed.jaxpr.outvars]
         fill = [_filler(x) for x in flat]
         programs = []
         for mesh in dict.fromkeys(h.mesh for h in homes):
-            ins = [i for i, x in enumerate(flat) if moves.get(i, mesh_of(x)) == mesh]
-            outs = [o for o, h in enumerate(homes) if h.mesh == mesh]
+            outs = [o for o, h in enumerate(homes) if h.mesh == mesh and o not in views]
+            sizes = [avals[o].size * avals[o].dtype.itemsize for o in outs]
+            split = runs(sizes, self.parts) if sum(sizes) >= self.least else [range(len(outs))]
+            for run in split if outs else []:
+                mine = [outs[k] for k in run]
+                ins = sorted(set().union(*(reads[o] for o in mine)))
 
-            def part(*mine, ins=ins, outs=outs):
-                a = [f() for f in fill]
-                for i, x in zip(ins, mine, strict=True):
-                    a[i] = x
-                got = jax.tree.leaves(self.fn(*jax.tree.unflatten(tree, a)))
-                return [got[o] for o in outs]
+                def part(*got, ins=ins, mine=mine):
+                    a = [f() for f in fill]
+                    for i, x in zip(ins, got, strict=True):
+                        a[i] = x
+                    out = jax.tree.leaves(self.fn(*jax.tree.unflatten(tree, a)))
+                    return [out[o] for o in mine]
 
-            programs.append((ins, outs, jax.jit(part, out_shardings=[homes[o] for o in outs])))
-        return programs, moves, out_tree, len(homes)
+                programs.append((ins, mine, jax.jit(part, out_shardings=[
+                    homes[o] for o in mine])))
+        last = {i: k for k, (ins, _, _) in enumerate(programs) for i in ins}
+        views = {o: (i, avals[o].shape, homes[o]) for o, i in views.items()}
+        return programs, moves, views, last, out_tree, len(homes)
 
     def __call__(self, *args):
         if self._made is None:
             self._made = self._make(args)
-        programs, moves, out_tree, n = self._made
+        programs, moves, views, last, out_tree, n = self._made
         flat = jax.tree.leaves(args)
         for i, mesh in moves.items():
             x, src = flat[i], mesh_of(flat[i])
             twin = twins(src, mesh)
             (flat[i],) = across([x], [NamedSharding(mesh, x.sharding.spec)], twin, crosses(twin))
+            if self.free:
+                x.delete()
         out = [None] * n
-        for ins, outs, prog in programs:
+        for o, (i, shape, home) in views.items():
+            out[o] = jax.device_put(np.asarray(flat[i]).reshape(shape), home)
+        for k, (ins, outs, prog) in enumerate(programs):
             for o, y in zip(outs, prog(*(flat[i] for i in ins)), strict=True):
                 out[o] = y
+            if self.free:  # what no later program reads
+                for i in ins:
+                    if last[i] == k:
+                        jax.block_until_ready(out[outs[0]])
+                        flat[i].delete()
         return jax.tree.unflatten(out_tree, out)
+
+
+# What a program may do to an argument and still give the argument's buffer in another shape.
+_VIEW = frozenset({"reshape", "squeeze", "expand_dims", "device_put", "copy", "copy_p"})
+
+
+def _reshapes(jaxpr) -> bool:
+    """Whether `jaxpr` (one output, from one input) only reshapes or moves its input, in
+    place: the same elements in the same order, the same dtype."""
+    (x,), (y,) = [v for v in jaxpr.invars if v in _read(jaxpr)], jaxpr.outvars
+    if not isinstance(y, jcore.Var) or x.aval.dtype != y.aval.dtype \
+            or x.aval.size != y.aval.size:
+        return False
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("pjit", "jit"):
+            if not _reshapes_all(e.params["jaxpr"].jaxpr):
+                return False
+        elif e.primitive.name not in _VIEW:
+            return False
+    return True
+
+
+def _reshapes_all(jaxpr) -> bool:
+    return all(e.primitive.name in _VIEW or (e.primitive.name in ("pjit", "jit")
+                                             and _reshapes_all(e.params["jaxpr"].jaxpr))
+               for e in jaxpr.eqns)
+
+
+def _read(jaxpr) -> set:
+    """The variables `jaxpr`'s equations and outputs read."""
+    return {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var)} | {
+        v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+
+
+def _one_cpu(x) -> bool:
+    """Whether `x` is one buffer on one CPU device (a view of it can be taken)."""
+    devices = x.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and \
+        not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
