@@ -13,6 +13,7 @@ from helpers import CLIP, adamw, gpt_batch, sweep, tiny_gpt
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_offload import assert_placement
+from test_state import assert_bitwise
 
 import zerojax as zj
 from zerojax.checkpoint import store
@@ -61,7 +62,7 @@ def test_offloads_checkpoint_is_made_and_read_where_its_state_lives(apart, monke
     mesh = zj.make_mesh(data=2, devices=apart[:2])
     eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(
         stage=3, clip_norm=CLIP, offload="optimizer", offload_fraction=fraction))
-    batches = [gpt_batch(tiny_gpt().cfg, 4, s) for s in range(3)]
+    batches = [gpt_batch(tiny_gpt().cfg, 4, s) for s in range(2)]
     state = eng.init(jax.random.key(0), batches[0])
     state, _ = eng.step(state, batches[0])
     seen = spied(monkeypatch)
@@ -81,10 +82,10 @@ def test_offloads_checkpoint_is_made_and_read_where_its_state_lives(apart, monke
     for a, b in zip(jax.tree.leaves((state.master, state.opt_state, state.compute)),
                     jax.tree.leaves((back.master, back.opt_state, back.compute)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for b in batches[1:]:
-        state, m0 = eng.step(state, b)
-        back, m1 = eng.step(back, b)
-        assert float(m1["loss"]) == float(m0["loss"])
+    state, m0 = eng.step(state, batches[1])
+    back, m1 = eng.step(back, batches[1])
+    assert float(m1["loss"]) == float(m0["loss"])
+    assert_bitwise(eng.params(back), eng.params(state))
 
 
 def assert_placement_of(eng, state):
