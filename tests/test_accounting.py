@@ -324,6 +324,49 @@ def test_offload_table_and_memory_rows():
                        "update)")
 
 
+def test_twin_flow_keeps_its_share_of_the_host_bytes_on_the_devices():
+    """`offload_fraction=0.25` on ZeRO figure 1's Ψ over 64 devices, stage 3 bf16: the host
+    keeps a quarter of 12Ψ/N (and of the pending gradient, and of what moves each step), the
+    devices the rest beside their 4Ψ/N; together the bytes of full offload."""
+    psi, n = 7_500_000_000, 64
+    for k in (None, 2):
+        full = estimate(psi, n, 3, offload="optimizer", delayed_update=k)
+        m = estimate(psi, n, 3, offload="optimizer", delayed_update=k, offload_fraction=0.25)
+        assert (m.host, m.pending, m.transfer) == (full.host / 4, full.pending / 4,
+                                                    full.transfer / 4)
+        assert m.optimizer == 0.75 * full.host and m.total == full.total + m.optimizer
+        assert m.host + m.optimizer == full.host and m.host_peak == m.host + m.transfer
+        assert (m.params, m.grads, m.ahead) == (full.params, full.grads, full.ahead)
+    m = estimate(psi, n, 3, offload="optimizer", offload_fraction=0.25)
+    assert (m.host, m.optimizer, m.total) == (3 * psi / n, 9 * psi / n, 13 * psi / n)
+    assert state_estimate(psi, n, 3, offload="optimizer", offload_fraction=0.25) == m
+    assert estimate(psi, n, 3, offload="optimizer", offload_fraction=1.0) == estimate(
+        psi, n, 3, offload="optimizer")
+    rows = estimate_table(psi, n, offload="optimizer", offload_fraction=0.25)
+    assert (rows[0]["host"], rows[3]["host"], rows[3]["optimizer"]) == ("0 B", "352 MB",
+                                                                         "1.05 GB")
+    est = estimate_for(875_264, 4, 3, types.SimpleNamespace(
+        param_dtype="bfloat16", replica=1, offload="optimizer", offload_fraction=0.5))
+    assert memory_rows(est, 3_063_424 + 16, 1_312_896)[:2] == [
+        ("memory/device", "1.75 MB estimated in device memory = bfloat16 params 438 KB + "
+                          "Twin-Flow's share of the master and Adam moments 1.31 MB"),
+        ("memory/host", "1.31 MB estimated in host memory (offload) = float32 master 438 KB + "
+                        "Adam moments 875 KB")]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"offload": "optimizer", "offload_fraction": 0.0}, r"offload_fraction=0.0 must be"),
+    ({"offload": "optimizer", "offload_fraction": 1.5}, r"offload_fraction=1.5 must be"),
+    ({"offload": "optimizer", "offload_fraction": True}, r"offload_fraction=True must be"),
+    ({"offload_fraction": 0.5}, r"offload_fraction=0.5 needs offload='optimizer'"),
+])
+def test_bad_offload_fraction_estimates(kw, message):
+    with pytest.raises(EstimateError, match=message):
+        estimate(1000, 8, 3, **kw)
+    with pytest.raises(EstimateError, match=message):
+        estimate_table(1000, 8, **kw)
+
+
 def test_delayed_update_adds_the_pending_gradient_shard():
     """ZeRO figure 1's Ψ on 64 devices in bf16 with the delayed update: the host also holds the
     pending float32 gradient shard, 4Ψ/N = 0.47 GB (host 12Ψ/N -> 16Ψ/N, host peak 16Ψ/N ->

@@ -513,3 +513,22 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     # flags, Adam magnifying last-bit gradient differences where one crosses zero); a wrong
     # or misplaced shard moves it by O(1)
     assert 0 <= res["parity"] < 1e-3
+
+
+@pytest.mark.slow
+def test_offload_checkpoint_memory_reports_each_phase(tmp_path):
+    """experiments/offload_checkpoint_memory.py measures a step, two saves, a restore and the
+    step after it, each over the host state's bytes, and writes them as JSON, the two
+    checkpoints where it was told."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import offload_checkpoint_memory
+
+    res = offload_checkpoint_memory.main(["--preset", "test", "--dir", str(tmp_path / "c"),
+                                          "--out", str(tmp_path / "m.json")])
+    assert list(res["over_host_state"]) == ["step", "save (first: compiles)", "save",
+                                            "restore (nothing else held)",
+                                            "first step after it"]
+    assert all(v["host"] >= 0 and v["device"] >= 0 for v in res["over_host_state"].values())
+    assert res["host_state_bytes"] > 0 and res["params"] > 0
+    assert json.loads((tmp_path / "m.json").read_text())["preset"] == "test"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["a", "b"]

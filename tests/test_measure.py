@@ -307,6 +307,8 @@ def test_twin_flows_share_moves_from_the_host_peak_to_the_devices():
     assert m1.device_peak_bytes == m0.device_peak_bytes + share
     assert m1.host_peak_bytes < m0.host_peak_bytes
     assert m1.state["host"] < m1.host_peak_bytes < 1.25 * m1.state["host"]
+    # the formula's host bytes: half of full offload's (the engine's split is by leaves)
+    assert m1.estimates()[0].host == m0.estimates()[0].host / 2
 
 
 # --- the state of any optimizer, as its init allocates it ------------------------------------

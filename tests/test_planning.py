@@ -505,6 +505,24 @@ def test_delayed_update_host_bytes_are_the_engines_state():
         assert host[0] - host[None] == 4 * psi / 8 + 13  # the pending gradient and scalars
 
 
+def test_estimate_with_twin_flow(capsys):
+    """`estimate --offload-fraction 0.25`: the host keeps a quarter of 12Ψ/N, the devices the
+    rest beside their 4Ψ/N (stage 3), in the JSON and the table's title; bad fractions are one
+    line each."""
+    argv = ["--params", "7.5e9", "--devices", "64", "--offload", "optimizer"]
+    assert estimate_main([*argv, "--offload-fraction", "0.25", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["memory"]["host"] for s in stages] == [0, 0.3515625e9, 0.3515625e9, 0.3515625e9]
+    assert stages[3]["memory"]["total"] == 0.46875e9 + 1.0546875e9
+    assert estimate_main([*argv, "--offload-fraction", "0.25"]) == 0
+    assert "--offload-fraction 0.25: the host keeps" in capsys.readouterr().out
+    for bad in (argv[:4] + ["--offload-fraction", "0.5"], [*argv, "--offload-fraction", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            estimate_main(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and "in (0, 1]" in err
+
+
 def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
     argv = ["--params", "7.5e9", "--devices", "64", "--offload", "optimizer"]
     assert estimate_main([*argv, "--delayed-update", "2", "--json"]) == 0

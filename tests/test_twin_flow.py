@@ -4,25 +4,29 @@ leaves as the update's own computations tie them (update/parts.py); the numbers 
 offload. The host mesh is put on CPU devices 4-7 beside a mesh on 0-3, as a GPU's host is
 apart from it, so every leaf's home is a mesh of its own."""
 
+import re
+
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, check_parity, gpt_batch, tiny_gpt
+from helpers import CLIP, adamw, check_parity, gpt_batch, sweep, tiny_gpt
 from jax.sharding import Mesh
-from test_offload import learn_units
+from test_offload import STACK_BATCH, TO_HOST, Stack, _cuda_step, _loop_bodies, learn_units
 from test_state import BATCHES, Norm
 
 import zerojax as zj
 import zerojax.update.host as host
 from zerojax.analysis.measurement import state_bytes, twin_flow_bytes
+from zerojax.step import per_unit
 
 
 @pytest.fixture
 def apart(monkeypatch):
     devices = jax.devices()
-    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
-        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(
+        devices[4:4 + m.devices.size]).reshape(m.devices.shape), m.axis_names,
+        axis_types=m.axis_types))
     return devices[:4]
 
 
@@ -122,6 +126,28 @@ def test_the_hosts_program_takes_only_its_share():
         jax.tree.leaves(eng.abstract_state().opt_state))
 
 
+@pytest.mark.parametrize("stage", sweep([3, 2], quick=[3]))
+def test_the_devices_share_of_the_gradient_never_leaves_them(stage):
+    """In the program XLA:GPU receives (StableHLO lowered for CUDA), the backward's loop moves
+    to pinned host memory only the host's stacked leaf's gradient shard, once per layer, and
+    the gradients program gives Twin-Flow's leaves' gradient in device memory, the rest in
+    pinned host memory: the devices' update reads its gradient where the backward made it."""
+    eng = zj.Engine(Stack(), optax.adam(1e-2), zj.make_mesh(data=2, devices=jax.devices()[:2]),
+                    zj.ZeroConfig(stage=stage, param_dtype="bfloat16", offload="optimizer",
+                                  offload_fraction=0.5))
+    eng.init(jax.random.key(0), STACK_BATCH)
+    assert per_unit(eng.plan)
+    kept = eng._offload.on_devices("master")
+    names = ["['blocks']['b']", "['blocks']['w']", "['head']"]  # the leaves' order
+    assert [names[i] for i in kept] == ["['blocks']['b']"]
+    text = _cuda_step(eng)
+    (backward,) = [b for b in _loop_bodies(text) if "stablehlo.reduce_scatter" in b]
+    assert re.findall(TO_HOST, backward) == ["32xbf16"]  # w's [3, 8, 8] over 2, per layer
+    kinds = dict(re.findall(r'jax\.result_info = "result\[1\]\[0\](\[[^"]*)", '
+                            r'mhlo\.memory_kind = "(\w+)"', text))
+    assert kinds == {names[0]: "device", names[1]: "pinned_host", names[2]: "pinned_host"}
+
+
 @pytest.mark.parametrize("optimizer, match", [
     (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
      r"offload_fraction=0.5 splits the update .* ties every leaf to every other .*"
@@ -170,27 +196,38 @@ def test_twin_flow_with_model_state_fp16_and_stage_1_on_a_hybrid_mesh(apart):
 
 
 @pytest.mark.slow  # two runs of three steps each (~10 CPU s a case)
-@pytest.mark.parametrize("case", ["model axis", "muon", "grad accum, hpz"])
-def test_twin_flow_meets_the_model_axis_muon_accumulation_and_hpz(apart, case):
+@pytest.mark.parametrize("case", ["model axis", "muon", "grad accum, hpz", "3 devices, parts"])
+def test_twin_flow_meets_the_model_axis_muon_accumulation_and_hpz(apart, monkeypatch, case):
     """Twin-Flow against full offload where it meets the model axis (data 2 x model 2), Muon's
     whole-matrix work on owner devices (the devices' share runs it on the mesh), gradient
-    accumulation and hpZ: the same losses, the params to 1e-5 of how far they moved (Muon:
+    accumulation and hpZ, and padded shards (data 3) with the update in parts of any size and
+    the delayed update: the same losses, the params to 1e-5 of how far they moved (Muon:
     1e-4, its Newton-Schulz products round otherwise in a program of their own; measured
     1.4e-5)."""
-    from zerojax.update import presets
+    from zerojax.update import parts, presets
 
+    if case == "3 devices, parts":
+        monkeypatch.setattr(parts, "LEAST", 0)
     mesh, optimizer, kw, rtol = {
         "model axis": (zj.make_mesh(data=2, model=2, devices=apart), adamw(), {"stage": 3},
                        1e-5),
         "muon": (zj.make_mesh(data=4, devices=apart), presets.build("muon", 1e-2),
                  {"stage": 2}, 1e-4),
         "grad accum, hpz": (zj.make_mesh(data=2, replica=2, devices=apart), adamw(),
-                            {"stage": 3, "grad_accum": 2, "hpz": True}, 1e-5)}[case]
-    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(3)]
+                            {"stage": 3, "grad_accum": 2, "hpz": True}, 1e-5),
+        "3 devices, parts": (zj.make_mesh(data=3, devices=apart[:3]), adamw(),
+                             {"stage": 3, "delayed_update": 1}, 1e-5)}[case]
+    size = 6 if case == "3 devices, parts" else 8
+    batches = [gpt_batch(tiny_gpt().cfg, size, s) for s in range(3)]
     params = tiny_gpt().init(jax.random.key(0))
     engines = [zj.Engine(tiny_gpt(), optimizer, mesh, zj.ZeroConfig(
         offload="optimizer", offload_fraction=f, **kw)) for f in (1.0, 0.5)]
     (l0, s0), (l1, s1) = (run(e, batches, params) for e in engines)
     assert engines[1]._offload.split()[0]
+    if case == "3 devices, parts":  # the delayed update's: the devices' part, the host's parts
+        gdtypes = [jax.numpy.float32] * len(engines[1].layout.leaves)
+        got = [p.on_device for p, _ in engines[1].plan.update.parts(
+            True, gdtypes, engines[1]._offload.split()[0])]
+        assert got[0] and not any(got[1:]) and len(got) > 2
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     close_run(engines[1].params(s1), engines[0].params(s0), params, rtol)

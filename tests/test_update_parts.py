@@ -143,6 +143,10 @@ def test_a_small_model_is_one_part():
     assert len(parts_of(eng)) == 1
     assert parts_module.runs([3, 3, 3, 3], 4, least=6) == [[0, 1], [2, 3]]
     assert parts_module.runs([3, 3, 3, 3], 4) == [[0], [1], [2], [3]]
+    # a group below `least` between two large ones (a bias between kernels) joins a neighbour
+    assert parts_module.runs([8, 10, 1, 10, 4], 5, least=3) == [[0], [1, 2], [3], [4]]
+    assert parts_module.runs([10, 10, 1], 3, least=3) == [[0], [1, 2]]
+    assert parts_module.runs([1, 10, 8], 3, least=3) == [[0, 1], [2]]
 
 
 @pytest.mark.slow  # two runs of four steps, a save and a restore (~20 CPU s)

@@ -325,14 +325,6 @@ class Engine:
             return jax.jit(build, out_shardings=self.state_shardings())(*args)
         return self._offload.built(build, args, homes)
 
-    def _home(self, state: TrainState) -> TrainState:
-        """A state built on this engine's mesh moved where it lives (offload: the host mesh)."""
-        return state if self._offload is None else self._offload.to_host(state)
-
-    def _viewed(self, state: TrainState) -> TrainState:
-        """`state` on this engine's mesh alone (see `view_shardings`)."""
-        return state if self._offload is None else self._offload.to_view(state)
-
     # ---------------------------------------------------------------- the step
 
     def _compiled_step(self):
@@ -485,13 +477,11 @@ class Engine:
         return tree
 
     def saveable(self, state: TrainState) -> TrainState:
-        """`state` as `logical` reads it: with offload, on this engine's mesh alone and, with
-        delayed_update, its pending update applied (in the host's own program: applied inside
-        the save's program, the update's outputs were seen with other bits by the checksums
-        than by the arrays written, on XLA:CPU)."""
-        if self._delay:
-            state = self._delay.settled(state)
-        return self._viewed(state)
+        """`state` as `logical` reads it: with delayed_update, its pending update applied (in
+        the host's own program: applied inside the save's program, the update's outputs were
+        seen with other bits by the checksums than by the arrays written, on XLA:CPU). With
+        offload its leaves stay where they live: a save makes each logical leaf there."""
+        return self._delay.settled(state) if self._delay else state
 
     def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None,
                        delayed: bool | None = None) -> dict:
@@ -530,6 +520,12 @@ class Engine:
         """The TrainState of a `logical` tree on this engine's mesh and stage, adopting the
         units `leaves` (e.g. as a checkpoint records them); `loss_scale=False` starts the loss
         scale afresh."""
+        return self._from_logical(tree, leaves, treedef, loss_scale=loss_scale)
+
+    def _from_logical(self, tree, leaves=None, treedef=None, *, loss_scale: bool = True,
+                      owned: bool = False) -> TrainState:
+        """`from_logical`; `owned`: the tree's arrays are this call's to free as it goes (a
+        restore's, freshly read)."""
         if leaves is not None and (self.plan is None or (self.layout.leaves,
                                                          self.layout.treedef) != (leaves,
                                                                                   treedef)):
@@ -548,7 +544,9 @@ class Engine:
             return with_lagging(self.plan, st, tree["delayed"]["params"]) \
                 if self._delay and "delayed" in tree else st
 
-        return self._home(jax.jit(build, out_shardings=self.view_shardings())(tree))
+        if self._offload is not None:  # each part made on the mesh it lives on
+            return self._offload.from_logical(build, tree, loss_scale, owned)
+        return jax.jit(build, out_shardings=self.state_shardings())(tree)
 
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
              keep: int | None = None, extra: dict | None = None,

@@ -177,14 +177,15 @@ def local_step(plan: StepPlan, state: TrainState, batch):
     return new._replace(master=master, opt_state=opt_state, compute=compute), metrics
 
 
-def local_grads(plan: StepPlan, state: TrainState, batch):
+def local_grads(plan: StepPlan, state: TrainState, batch, kept: frozenset[int] = frozenset()):
     """This device's forward, backward and reduction: `(reduced, model state, mean metrics)`,
     `reduced` as the update takes it: (the summed, loss-scaled gradient shard per leaf, its
     divisor, the global norm, the finite flag of dynamic loss scaling or None, the global
-    loss). The master and optimizer state are not read (offload keeps them elsewhere)."""
+    loss). The master and optimizer state are not read (offload keeps them elsewhere).
+    `kept`: with offload, the leaves whose gradient stays in device memory (Twin-Flow's)."""
     if per_unit(plan):
         try:
-            return _local_grads(plan, state, batch, True)
+            return _local_grads(plan, state, batch, True, kept)
         except UnitReused:  # a unit used so that its gradient is summed after it leaves
             pass
     return _local_grads(plan, state, batch, False)
@@ -208,7 +209,8 @@ def settle(plan: StepPlan, state: TrainState, reduced, model_state, means: dict)
     return state._replace(step=state.step + 1, loss_scale=ls, model_state=model_state), metrics
 
 
-def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool):
+def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
+                 kept: frozenset[int] = frozenset()):
     cfg, layout = plan.config, plan.layout
     stage, k = cfg.stage, cfg.grad_accum
     comp = compute_params(plan, state)
@@ -227,9 +229,11 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool):
     denom = plan.replica * plan.data * k * scale
     if to_host:
         # What is differentiated: per leaf a zero in host memory (its gradient arrives there,
-        # unit by unit) and a zero f32 per unit (its gradient: the unit's sum of squares).
-        standins = [vary(to_memory(jnp.zeros(_shard_shape(layout, leaf), plan.rdtype), HOST),
-                         plan.axes) for leaf in layout.leaves]
+        # unit by unit; a kept leaf's stays in device memory) and a zero f32 per unit (its
+        # gradient: the unit's sum of squares).
+        zero = lambda leaf: jnp.zeros(_shard_shape(layout, leaf), plan.rdtype)
+        standins = [vary(zero(leaf) if i in kept else to_memory(zero(leaf), HOST), plan.axes)
+                    for i, leaf in enumerate(layout.leaves)]
         sqs = [vary(jnp.zeros(_shard_shape(layout, leaf)[:-1], jnp.float32), plan.axes)
                for leaf in layout.leaves]
         bases, args = args, (standins, sqs)
@@ -239,7 +243,7 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool):
 
     def loss_fn(args, mb, model_state, j):
         m = local // k
-        host = (*args, denom) if to_host else None
+        host = (*args, denom, kept) if to_host else None
         args = bases if to_host else args
         units = ShardUnits(stage, layout, args, full, plan.dtype, cfg.remat, cfg.prefetch,
                            key=jax.random.fold_in(key, j), state=model_state, training=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -254,28 +255,30 @@ class UnitReused(Exception):
     falls back to sending it after the backward."""
 
 
-@jax.custom_vjp
-def arrive(base, standin, sq, denom):
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def arrive(base, standin, sq, denom, host=True):
     """A unit's device value `base` (stage 2: zeros, stage 3: its shard), tied to `standin`, a
-    zero of the same shape in host memory, and `sq`, a zero f32 scalar per unit.
+    zero of the same shape in host memory (in device memory where `host` is False: a leaf
+    that Twin-Flow updates on the devices), and `sq`, a zero f32 scalar per unit.
 
     Backward, the unit's reduced gradient shard `g` (its cotangent, right after the unit's
-    reduce-scatter) becomes `standin`'s cotangent moved to host memory, in its own dtype; and
-    `sq`'s cotangent is its unscaled sum of squares, `sum((g / denom)²)`, computed on the
-    device before the shard leaves, so the global norm needs no host computation.
+    reduce-scatter) becomes `standin`'s cotangent, moved to host memory where `host`, in its
+    own dtype; and `sq`'s cotangent is its unscaled sum of squares, `sum((g / denom)²)`,
+    computed on the device before the shard leaves, so the global norm needs no host
+    computation.
     """
     del standin, sq, denom
     return base
 
 
-def _arrive_fwd(base, standin, sq, denom):
-    del standin, sq
+def _arrive_fwd(base, standin, sq, denom, host):
+    del standin, sq, host
     return base, denom
 
 
-def _arrive_bwd(denom, g):
+def _arrive_bwd(host, denom, g):
     sq = jnp.sum(jnp.square(g.astype(jnp.float32) / denom))
-    return None, jax.device_put(g, HOST), sq, None
+    return None, jax.device_put(g, HOST) if host else g, sq, None
 
 
 arrive.defvjp(_arrive_fwd, _arrive_bwd)
@@ -285,9 +288,10 @@ class ShardUnits(Context):
     """`gather`/`scan` for one stage inside the shard_map step.
 
     `host`: (per-leaf host stand-ins, per-leaf unit sum-of-squares stand-ins, the gradient's
-    divisor), or None. When given (stages 2-3 with offload), every unit passes through
-    `arrive`, so its reduced gradient shard goes to host memory inside the backward, as the
-    unit's reduce-scatter produces it.
+    divisor, the leaves whose gradient stays in device memory: Twin-Flow's), or None. When
+    given (stages 2-3 with offload), every unit passes through `arrive`, so its reduced
+    gradient shard goes to host memory inside the backward, as the unit's reduce-scatter
+    produces it.
     """
 
     def __init__(self, stage, layout, args, full, dtype, remat, prefetch=False, *, key=None,
@@ -320,8 +324,8 @@ class ShardUnits(Context):
             return self.args[i]
         self._loss_level()
         if i not in self._arrived:
-            standins, sqs, denom = self.host
-            self._arrived[i] = arrive(self.args[i], standins[i], sqs[i], denom)
+            standins, sqs, denom, kept = self.host
+            self._arrived[i] = arrive(self.args[i], standins[i], sqs[i], denom, i not in kept)
         return self._arrived[i]
 
     def _units(self, idx, args, fulls, src=None):
@@ -364,13 +368,15 @@ class ShardUnits(Context):
             if self._scanned & set(idx):
                 raise UnitReused
             self._scanned |= set(idx)
-            standins, sqs, denom = self.host
+            standins, sqs, denom, kept = self.host
             hosts = ([standins[i] for i in idx], [sqs[i] for i in idx])
+            homes = [i not in kept for i in idx]
 
         def step(c, layer):
             args_l, fulls_l, src_l, hosts_l, i = layer
             if hosts_l is not None:  # each layer's gradient shard leaves in its own iteration
-                args_l = [arrive(a, s, q, denom) for a, s, q in zip(args_l, *hosts_l)]
+                args_l = [arrive(a, s, q, denom, h)
+                          for a, s, q, h in zip(args_l, *hosts_l, homes)]
             ws = _rebuild(stacked, barrier(self._units(idx, args_l, fulls_l, src_l)))
             return fn(c, ws, i), None
 

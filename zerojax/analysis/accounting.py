@@ -185,6 +185,7 @@ def estimate(
     model: int = 1,
     split_params: float | None = None,
     delayed_update: int | None = None,
+    offload_fraction: float = 1.0,
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
 
@@ -209,6 +210,10 @@ def estimate(
     pending update: its float32 gradient shard stays in host memory between steps (`pending`,
     `4Ψ/N`, in `host`), and while a step runs on the compute params before the update the
     next step's compute shard comes up beside them (`ahead`, `Ψ·pb/N`, in `total`).
+
+    `offload_fraction=f` (Twin-Flow) keeps only the share f of those host bytes (and of the
+    transfer) on the host; the devices hold and update the rest (in `optimizer` and `total`).
+    The engine splits by whole leaves, so its measured share is near f, not exactly f.
     """
     n = _check(
         num_params,
@@ -224,6 +229,7 @@ def estimate(
     )
     _check_hpz(hpz, stage, replica)
     _check_delayed(delayed_update, offload)
+    _check_fraction(offload_fraction, offload)
     psi = _piece(int(num_params), model, split_params)
     secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
         if hpz else 0.0
@@ -238,8 +244,21 @@ def estimate(
     transfer = psi * (grad_bytes + param_bytes) / n
     pending = psi * MASTER_BYTES / n if delayed_update is not None else 0.0
     ahead = psi * param_bytes / n if delayed_update is not None else 0.0
-    return MemoryEstimate(params, grads, 0.0, params + grads + secondary + ahead,
-                          optimizer + pending, transfer, secondary, pending, ahead)
+    f = offload_fraction
+    kept = (1 - f) * (optimizer + pending)  # Twin-Flow's share, in device memory
+    return MemoryEstimate(params, grads, kept, params + grads + kept + secondary + ahead,
+                          f * (optimizer + pending), f * transfer, secondary, f * pending,
+                          ahead)
+
+
+def _check_fraction(offload_fraction: Any, offload: Any) -> None:
+    f = offload_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+        raise EstimateError(f"offload_fraction={f!r} must be a number in (0, 1]: the host's "
+                            f"share of the offloaded state")
+    if f < 1 and offload is None:
+        raise EstimateError(f"offload_fraction={f} needs offload='optimizer' (got "
+                            f"offload=None): it splits the offloaded state")
 
 
 def _check_delayed(delayed_update: Any, offload: Any) -> None:
@@ -298,7 +317,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                    quantize_weights: str | None = None, quantize_grads: str | None = None,
                    quant_block: int = QUANT_BLOCK, model: int = 1,
                    split_params: float | None = None,
-                   delayed_update: int | None = None) -> MemoryEstimate:
+                   delayed_update: int | None = None,
+                   offload_fraction: float = 1.0) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
     moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
@@ -313,7 +333,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     copy is in `param_dtype`, or int8 plus scales under `quantize_weights`. Under
     `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
     `model`, `split_params`: the model axis, as `estimate` takes it. `delayed_update`: the
-    pending update's host and device bytes, as `estimate` counts them.
+    pending update's host and device bytes, as `estimate` counts them; `offload_fraction`:
+    Twin-Flow's host share, as `estimate` takes it.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
@@ -328,7 +349,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
                     offload=offload, hpz=hpz, secondary_bytes=secondary, model=model,
-                    split_params=split_params, delayed_update=delayed_update)
+                    split_params=split_params, delayed_update=delayed_update,
+                    offload_fraction=offload_fraction)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:
@@ -461,10 +483,11 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
     add the `host` bytes, the `host peak` of the in-place host update (`host_peak`) and the
     host<->device `transfer` per step; `total` is device bytes. `delayed_update` (with
-    `offload`) counts the pending update (`estimate`) and adds its column.
+    `offload`) counts the pending update (`estimate`) and adds its column; `offload_fraction`
+    (Twin-Flow) keeps that share on the host.
     """
     mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
-                "split_params", "delayed_update")
+                "split_params", "delayed_update", "offload_fraction")
     comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica", "model",
                  "split_params", "activations")
     zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
@@ -479,7 +502,9 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     _check_formats(qw, qg, QUANT_BLOCK)
     offload = mem_kw.pop("offload", None)
     delayed = mem_kw.pop("delayed_update", None)
+    fraction = mem_kw.pop("offload_fraction", 1.0)
     _check_delayed(delayed, offload)
+    _check_fraction(fraction, offload)
     base = estimate(num_params, devices, 0, **mem_kw).total
     secondary = bytes_per_element(qw, QUANT_BLOCK) if qw else mem_kw.get("param_bytes", 2)
     rows = []
@@ -489,7 +514,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
                "hpz": bool(hpz) and stage == 3}
         m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None,
                      hpz=zpp["hpz"], secondary_bytes=secondary,
-                     delayed_update=delayed if stage else None)
+                     delayed_update=delayed if stage else None,
+                     offload_fraction=fraction if stage else 1.0)
         c = comm_estimate(num_params, devices, stage, **comm_kw, **zpp)
         saving = 1 - m.total / base if base else 0.0
         row = {

@@ -70,6 +70,9 @@ def estimate_main(argv: list[str]) -> int:
                    help="with --offload: the delayed parameter update (train --delayed-update "
                         "K): + its pending float32 gradient shard (4 bytes x Ψ/N) in host "
                         "memory and the next compute shard on the device")
+    p.add_argument("--offload-fraction", type=float, default=None, metavar="F",
+                   help="with --offload: Twin-Flow (train --offload-fraction F): the host keeps "
+                        "the share F of the offloaded bytes, the devices the rest")
     quantize_args(p)
     p.add_argument("--hpz", action="store_true",
                    help="ZeRO++ hpZ (stage 3, needs --replica > 1): a secondary param copy "
@@ -79,6 +82,10 @@ def estimate_main(argv: list[str]) -> int:
     if a.delayed_update is not None and a.offload is None:
         p.error(f"--delayed-update {a.delayed_update} needs --offload optimizer: the delayed "
                 f"update is the offloaded one")
+    if a.offload_fraction is not None and (a.offload is None or not 0 < a.offload_fraction <= 1):
+        p.error(f"--offload-fraction {a.offload_fraction} needs --offload optimizer and a value "
+                f"in (0, 1]: the host's share of the offloaded state")
+    fraction = 1.0 if a.offload_fraction is None else a.offload_fraction
     if a.hpz and a.replica < 2:
         p.error("--hpz needs --replica R > 1: hpZ shards its secondary copy within a replica")
     m = a.model_parallel
@@ -108,13 +115,15 @@ def estimate_main(argv: list[str]) -> int:
         rows = estimate_table(psi, a.devices, **mem_kw, reduce_bytes=a.reduce_bytes,
                               offload=a.offload, quantize_weights=a.quantize_weights,
                               quantize_grads=a.quantize_grads, hpz=a.hpz,
-                              activations=activations, delayed_update=a.delayed_update)
+                              activations=activations, delayed_update=a.delayed_update,
+                              offload_fraction=fraction)
         qw = bytes_per_element(a.quantize_weights, QUANT_BLOCK) if a.quantize_weights else None
         out = [{"stage": s, "offload": a.offload if s else None,
                 "memory": estimate(psi, a.devices, s, **mem_kw,
                                    offload=a.offload if s else None, hpz=a.hpz and s == 3,
                                    secondary_bytes=qw,
-                                   delayed_update=a.delayed_update if s else None).as_dict(),
+                                   delayed_update=a.delayed_update if s else None,
+                                   offload_fraction=fraction if s else 1.0).as_dict(),
                 "comm": comm_estimate(psi, a.devices, s, **comm_kw,
                                       quantize_weights=a.quantize_weights if s else None,
                                       quantize_grads=a.quantize_grads,
@@ -144,6 +153,10 @@ def estimate_main(argv: list[str]) -> int:
             title += ("; --delayed-update: host and host peak include the pending float32 "
                       "gradient shard (of which pending), total the next step's compute shard "
                       "beside the one the step runs on")
+        if fraction < 1:
+            title += (f"; --offload-fraction {fraction:g}: the host keeps that share of the "
+                      f"offloaded bytes and of host<->device, the devices update the rest (in "
+                      f"optimizer and total)")
         print_table(title, rows)
         if a.optimizer or a.optimizer_bytes is not None:
             print(f"note: K = {k:.4g} bytes per param: {source}")

@@ -71,6 +71,7 @@ class Measurement:
     collective_launches: int  # collectives the program starts per step (loops unrolled)
     unknown_loops: int  # while loops whose trip count was not found (counted once)
     offload: str | None = None
+    offload_fraction: float = 1.0  # Twin-Flow: the host's share of the offloaded state
     host_peak_bytes: int = 0  # the host update's peak per host device (offload), else 0
     device_peak_bytes: int = 0  # peak_bytes less what lives in host memory
     split: str = "measured"  # how device/host were told apart: "measured" or "derived"
@@ -108,7 +109,8 @@ class Measurement:
               "split_params": self.split_params}
         devices = self.devices * self.replica * self.model
         mem = state_estimate(self.num_params, devices, self.stage, self.param_dtype,
-                             offload=self.offload, quantize_grads=self.quantize_grads,
+                             offload=self.offload, offload_fraction=self.offload_fraction,
+                             quantize_grads=self.quantize_grads,
                              optimizer_state_bytes=self.optimizer_state_bytes, **kw)
         comm = comm_estimate(self.num_params, devices, self.stage, param_bytes=self.param_bytes,
                              grad_bytes=self.param_bytes, reduce_bytes=self.reduce_bytes,
@@ -209,6 +211,7 @@ def measure_lowered(engine, lowered) -> Measurement:
         collective_launches=launches,
         unknown_loops=unknown,
         offload=cfg.offload,
+        offload_fraction=cfg.offload_fraction,
         host_peak_bytes=host_peak,
         device_peak_bytes=peak,
         split="measured",

@@ -119,7 +119,9 @@ def memory_rows(estimate: RunEstimate, measured: int,
         master = (m.host - m.pending) * share
         return [
             ("memory/device", f"{fmt(estimate.state)} estimated in device memory = {dtype} "
-                              f"params {fmt(m.params)}"),
+                              f"params {fmt(m.params)}"
+                              + (f" + Twin-Flow's share of the master and {estimate.held} "
+                                 f"{fmt(m.optimizer)}" if m.optimizer else "")),
             ("memory/host", f"{fmt(m.host)} estimated in host memory (offload) = float32 "
                             f"master {fmt(master)} + {estimate.held} "
                             f"{fmt(m.host - master - m.pending)}"
@@ -291,7 +293,8 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
                             quantize_weights=getattr(cfg, "quantize_weights", None),
                             quantize_grads=getattr(cfg, "quantize_grads", None),
                             model=getattr(cfg, "model_parallel", 1), split_params=split_params,
-                            delayed_update=getattr(cfg, "delayed_update", None))
+                            delayed_update=getattr(cfg, "delayed_update", None),
+                            offload_fraction=getattr(cfg, "offload_fraction", None) or 1.0)
     grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
                        offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,

@@ -14,17 +14,15 @@ import resource
 import shutil
 import sys
 import threading
-import weakref
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.checkpoint.record import by_rows
 from zerojax.errors import ArgumentError, CheckpointError, ConfigError
-
-# engine -> (its plan, the jitted finiteness flags of the checked leaves, their names)
-_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from zerojax.update.offload import by_mesh
 
 
 def check_keep(keep) -> int | None:
@@ -64,18 +62,20 @@ def _checked(engine, tree) -> list[tuple[str, jax.Array]]:
 
 def first_nonfinite(engine, tree) -> str | None:
     """The name of the first leaf of the logical `tree` (params, then optimizer moments) that
-    holds a NaN or inf, or None; one small reduction per leaf on the devices."""
-    cached = _CHECKS.get(engine)
-    if cached is None or cached[0] is not engine.plan:
-        flags = jax.jit(lambda t: jnp.stack([jnp.all(jnp.isfinite(x))
-                                             for _, x in _checked(engine, t)]))
-        names = [name for name, _ in _checked(engine, jax.eval_shape(lambda t: t, tree))]
-        _CHECKS[engine] = cached = (engine.plan, flags, names)
-    _, flags, names = cached
-    if not names:
+    holds a NaN or inf, or None; one small reduction per leaf, where the leaf lives."""
+    checked = _checked(engine, tree)
+    if not checked:
         return None
-    ok = np.asarray(jax.device_get(flags(tree)))
-    return None if ok.all() else names[int(np.argmin(ok))]
+    ok = np.asarray(jax.device_get(by_mesh(lambda group: (
+        _finite_by_rows if len(group[0].sharding.device_set) == 1 else _finite)(group),
+        [x for _, x in checked])))
+    return None if ok.all() else checked[int(np.argmin(ok))][0]
+
+
+_finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])
+# on one device by blocks of rows, as the checksums (record.by_rows)
+_finite_by_rows = jax.jit(lambda xs: [by_rows(x, lambda p, _: jnp.all(jnp.isfinite(p)),
+                                              jnp.bool_(True), jnp.logical_and) for x in xs])
 
 
 # tensorstore names the OS error of a failed write: "... File too large [os_error_code='27']"

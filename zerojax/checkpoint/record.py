@@ -42,6 +42,47 @@ def checksum(x) -> jax.Array:
     return weighted_sum(bits.astype(jnp.uint32), flat, jnp)
 
 
+BLOCK = 1 << 22  # elements a blocked reduction reads at a time
+
+
+def by_rows(x, f, init, op, block: int = BLOCK):
+    """`op`-reduction of `f(rows, first)` over blocks of `x`'s leading axis (`first`: the
+    uint32 flat index of the block's first element, mod 2**32), each block of about `block`
+    elements or one row: the temporaries of an elementwise `f` are a block's, where XLA:CPU
+    materializes them for the whole array (a checksum's index hashes: the leaf's size)."""
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        return f(x, jnp.uint32(0))
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    rows = max(b for b in range(1, max(1, min(x.shape[0], block // max(row, 1))) + 1)
+               if x.shape[0] % b == 0)
+    if rows == x.shape[0]:
+        return f(x, jnp.uint32(0))
+
+    def body(i, acc):
+        part = lax.dynamic_slice_in_dim(x, i * rows, rows)
+        return op(acc, f(part, (i * rows).astype(jnp.uint32) * jnp.uint32(row % 2**32)))
+
+    return lax.fori_loop(0, x.shape[0] // rows, body, init)
+
+
+def checksum_by_rows(x, block: int = BLOCK) -> jax.Array:
+    """`checksum(x)` with a block's temporaries (`by_rows`); the same bits: its sum wraps in
+    uint32, so blocks add up to the whole."""
+    x = jnp.asarray(x)
+    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    width = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+
+    def part(x, first):
+        bits = lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+        flat = jnp.full(x.shape, first, jnp.uint32)
+        for a, stride in enumerate(strides(x.shape)):
+            flat = flat + lax.broadcasted_iota(jnp.uint32, x.shape, a) * jnp.uint32(stride)
+        return weighted_sum(bits, flat, jnp)
+
+    return by_rows(x, part, jnp.uint32(0), lambda a, b: a + b, block)
+
+
 def np_checksum(x: np.ndarray, shape=None, start=None) -> int:
     """`checksum` of `x`, or of the box of a leaf of `shape` that starts at `start` (the
     partial sums of a leaf's boxes add up, mod 2**32, to the leaf's checksum)."""

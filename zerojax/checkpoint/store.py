@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
 
 from zerojax.checkpoint.arrays import STATE, read_arrays, stored_arrays
 from zerojax.checkpoint.guard import check_keep, check_step, first_nonfinite, writing
@@ -31,6 +32,8 @@ from zerojax.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
     check_record,
+    checksum,
+    checksum_by_rows,
     describe,
     leaf_checksums,
     named_leaves,
@@ -41,6 +44,7 @@ from zerojax.checkpoint.record import (
 from zerojax.errors import ArgumentError, CheckpointError
 from zerojax.partition import LeafSpec
 from zerojax.state import check_state
+from zerojax.update.offload import OnMeshes, by_mesh
 
 META = "meta"
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
@@ -67,10 +71,35 @@ def _saver(engine):
         tree = engine.logical(state)
         return tree, leaf_checksums(tree)
 
+    if engine.host_mesh is None:
+        to_logical = jax.jit(logical, out_shardings=(shardings, None))
+    else:
+        # Offload: each logical leaf made on the mesh its state leaf lives on, the host's
+        # master and optimizer state by the CPU backend, so that a model larger than the
+        # devices' memory saves; its checksum read there too.
+        on = OnMeshes(engine.logical, jax.tree.map(lambda s: s.spec, shardings), engine.mesh,
+                      views=True)
+
+        def to_logical(state):
+            tree = on(state)
+            return tree, _sums([x for _, _, x in named_leaves(tree)])
+
     model = jax.eval_shape(engine.model.init, jax.random.key(0))
     dtypes = [jnp.dtype(m.dtype).name for m in jax.tree.leaves(model)]
-    _SAVERS[engine] = (engine.plan, jax.jit(logical, out_shardings=(shardings, None)), dtypes)
+    _SAVERS[engine] = (engine.plan, to_logical, dtypes)
     return _SAVERS[engine][1:]
+
+
+_checksums = jax.jit(lambda xs: [checksum(x) for x in xs])
+_checksums_by_rows = jax.jit(lambda xs: [checksum_by_rows(x) for x in xs])
+
+
+def _sums(xs: list) -> list:
+    """`checksum` of each array, by a program of the mesh it lives on; on one device by
+    blocks of rows (`record.by_rows`): the host's leaves of a model larger than the devices'
+    memory, whose index hashes XLA:CPU would otherwise hold whole beside them."""
+    return by_mesh(lambda group: (_checksums_by_rows if len(group[0].sharding.device_set) == 1
+                                  else _checksums)(group), xs)
 
 
 # ---------------------------------------------------------------- save / restore
@@ -160,7 +189,7 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra= must be a JSON-serializable dict: {e}") from None
     layout, cfg = engine.layout, engine.config
-    state = engine.saveable(state)  # offload: on the devices' mesh, nothing pending
+    state = engine.saveable(state)  # delayed_update: nothing pending
     to_logical, dtypes = _saver(engine)
     tree, sums = to_logical(state)
     if not allow_nonfinite:
@@ -355,6 +384,13 @@ def _match(engine, meta: dict, where: str):
     # (and checks) but continues without.
     delayed = any(d["keys"][:1] == ["delayed"] for d in meta["scalars"])
     target = engine.logical_target(leaves, treedef, delayed=delayed)
+    if engine.host_mesh is not None:
+        # Offload: the params and optimizer state are read onto the host mesh, where the
+        # master and moments are made from them (Twin-Flow's share moves on to the devices).
+        host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            engine.host_mesh, x.sharding.spec))
+        target = dict(target, params=jax.tree.map(host, target["params"]),
+                      opt_state=jax.tree.map(host, target["opt_state"]))
     diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "
@@ -391,7 +427,7 @@ def _load(engine, mngr, path: Path, step: int):
     except CheckpointError as e:
         raise _Damaged(str(e)) from None
     tree = unparts(jax.tree.unflatten(jax.tree.structure(parts(target)), arrays))
-    sums = jax.device_get(jax.jit(leaf_checksums)(tree))
+    sums = jax.device_get(_sums([x for _, _, x in named_leaves(tree)]))
     bad = [name for name, (_, r), s in zip(want, records, sums, strict=True)
            if r["checksum"] != s]
     if bad:
@@ -432,4 +468,4 @@ def restore(engine, directory, step: int | None = None):
 
     # Only now, with the arrays read and verified, does the engine adopt the recorded units.
     saved_scale = meta["dynamic_loss_scale"] and engine.config.dynamic_scale
-    return engine.from_logical(tree, leaves, treedef, loss_scale=saved_scale)
+    return engine._from_logical(tree, leaves, treedef, loss_scale=saved_scale, owned=True)

@@ -5,7 +5,8 @@ A step is three programs, dispatched in order and run asynchronously:
 
   gradients  device mesh: forward, backward and reduction (`step.local_grads`); the reduced
              gradient shard ends in host memory, per unit inside the backward at stages 2-3
-             (`step.per_unit`), in its reduction dtype
+             (`step.per_unit`), in its reduction dtype (Twin-Flow's share stays in device
+             memory, for the devices' update)
   update     host mesh: unscaling, clipping, optax and the loss-scale skip (the step's own
              `ShardedUpdate`) on the donated master and optimizer state, so in place, one
              partition per CPU device; out come the compute-dtype shards
@@ -37,7 +38,7 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import put_global
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
-from zerojax.update.offload import DEVICE, across, crosses, host_mesh, to_memory, twins
+from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
 from zerojax.update.parts import device_share, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
@@ -120,29 +121,6 @@ class HostOffload:
         """`state` without what lives on the host mesh."""
         return state._replace(master=None, opt_state=None, pending=None)
 
-    def _moved(self, state, shardings, free: bool):
-        """`state` with its host leaves put on `shardings`; `free`: one leaf at a time, each
-        source deleted once copied (the copy's peak is one leaf, not the host state; jax does
-        not donate across memory kinds). From the devices' pinned host memory to the host mesh
-        of another backend, a leaf goes shard by shard, as the step's gradient does
-        (`offload.across`): read where it is, so there is nothing to copy or free."""
-        def put(x, s):
-            if free and self._crosses and s.mesh is self.mesh:
-                return across([x], [s], self._twins[0], True)[0]
-            y = jax.device_put(x, s)
-            if free and y is not x:  # (the same array where nothing moves)
-                y.block_until_ready()
-                x.delete()
-            return y
-
-        return state._replace(**{f: jax.tree.map(put, getattr(state, f), getattr(shardings, f))
-                                 for f in HOSTED if getattr(state, f) is not None})
-
-    def to_host(self, state):
-        """A state built on the device mesh (the view's shardings) moved to its home, each
-        leaf's device-mesh copy freed as it goes."""
-        return self._moved(state, self.engine.state_shardings(), True)
-
     def built(self, build, args, homes):
         """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
         master, optimizer state (and pending update) by the host mesh's, the rest by the
@@ -186,21 +164,53 @@ class HostOffload:
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
         mine = iter(mine)
         built = tree.unflatten([next(mine) if k else next(hosted) for k in kept])
-        state = state._replace(**dict(zip(HOSTED, built, strict=True)))
+        return self._refreshed(state._replace(**dict(zip(HOSTED, built, strict=True))))
+
+    def _refreshed(self, state):
+        """`state` with its compute params made from its master's compute-dtype shards by the
+        step's refresh (into `state.compute`, donated)."""
         master, on = jax.tree.leaves(state.master), self.on_devices("master")
         shards = [None] * len(master)
-        cast = jax.jit(lambda m: [x.astype(eng.plan.dtype) for x in m])
+        cast = jax.jit(lambda m: [x.astype(self.engine.plan.dtype) for x in m])
         for side in ([i for i in range(len(master)) if i not in on], sorted(on)):
             for i, x in zip(side, cast([master[i] for i in side]) if side else []):
                 shards[i] = x  # on the mesh its master leaf lives on
         compute = self._refresh_fn(True)(self.up(shards), state.compute)
         return state._replace(compute=compute)
 
-    def to_view(self, state):
-        """A state with its host leaves in the device mesh's host memory (`pinned_host`), as
-        the programs that read the whole state on the device mesh take it (checkpoint layout,
-        logical params)."""
-        return self._moved(state, self.engine.view_shardings(), False)
+    def from_logical(self, build, tree, loss_scale: bool, owned: bool):
+        """The state `build(tree)` makes from a logical tree, each part by a program of the
+        mesh it lives on (`OnMeshes`): the master and optimizer state from the params and
+        optimizer state on the host mesh (restore reads them there; Twin-Flow's share moves
+        on to the devices), the rest on the devices'; the compute params, unless the tree
+        holds those the next step runs on ("delayed"), from the new master as `built` makes
+        them. So a restore of a model larger than the devices' memory never holds its master
+        and moments there. `loss_scale`: `build`'s (part of what its programs are cached by);
+        `owned`: the tree's arrays are freed as their programs are done (a restore's, which
+        then holds the logical tree beside the new state a part at a time: about 1/PARTS)."""
+        eng = self.engine
+        target = eng.logical_target(delayed="delayed" in tree)
+        hosted = {"params", "opt_state"}
+        tree = {k: jax.tree.map(lambda x, t, k=k: _placed(
+            x, NamedSharding(self.mesh, t.sharding.spec) if k in hosted else t.sharding),
+            v, target[k]) for k, v in tree.items()}
+        lagging = eng._delay is not None and "delayed" in tree
+        homes = eng.state_shardings()
+        if not lagging:
+            homes = homes._replace(compute=None)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                 eng.abstract_state().compute)
+
+        def make():
+            return OnMeshes(build if lagging else lambda t: build(t)._replace(compute=None),
+                            homes, parts=PARTS, least=RESTORE_LEAST, free=owned)
+
+        key = ("from_logical", lagging, loss_scale, owned, jax.tree.structure(tree))
+        state = self._cached(key, make)(tree)
+        if lagging:
+            return state
+        compute = jax.jit(lambda: zeros, out_shardings=eng.state_shardings().compute)()
+        return self._refreshed(state._replace(compute=compute))
 
     # ------------------------------------------------------------ the programs
 
@@ -221,19 +231,20 @@ class HostOffload:
 
         def build():
             device, reduced, _, full = self._specs()
+            kept = self.on_devices("master")  # Twin-Flow's gradient stays in device memory
 
             def body(plan, state, batch):
-                reduced, model_state, means = local_grads(plan, state, batch)
+                reduced, model_state, means = local_grads(plan, state, batch, kept)
                 new, metrics = settle(plan, state, reduced, model_state, means)
                 return new, reduced, metrics
 
             fn = jax.shard_map(partial(body, eng.plan), mesh=eng.mesh,
                                in_specs=(device, P(eng.axes)), out_specs=(device, reduced, P()),
                                axis_names=frozenset(eng.axes), check_vma=True)
-            # The gradient shard leaves the device in the program that makes it.
+            # The gradient shard leaves the device in the program that makes it (Twin-Flow's
+            # stays, for the devices' update).
             on = lambda kind: lambda s: NamedSharding(eng.mesh, s, memory_kind=kind)
-            grads = jax.tree.map(on("pinned_host"), full.master,
-                                 is_leaf=lambda x: isinstance(x, P))
+            grads = self.by_home("master", full.master, on("pinned_host"), on("device"))
             return jax.jit(fn, out_shardings=(self.device_part(eng.state_shardings()),
                                               (grads, None, None, None, None), None))
 
@@ -275,10 +286,9 @@ class HostOffload:
         """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
         its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
         a program of its own: [(part, its program)]. A part runs on the host mesh, Twin-Flow's
-        on the devices' (its gradient read from their host memory into device memory, its
-        state and shards in device memory). `donate` as `_update_fn`'s; a replicated state
-        leaf (read by every part) is not donated. `host_parts`: the host's leaves in at most
-        this many parts (default: parts.py's)."""
+        on the devices' (its gradient, state and shards in device memory). `donate` as
+        `_update_fn`'s; a replicated state leaf (read by every part) is not donated.
+        `host_parts`: the host's leaves in at most this many parts (default: parts.py's)."""
         eng = self.engine
 
         def build():
@@ -297,8 +307,6 @@ class HostOffload:
 
                 def body(scalars, shared_, master_, own, grads, part=part, prog=prog,
                          shared=shared, mine=mine):
-                    if part.on_device:  # the gradient waits in the devices' host memory
-                        grads = to_memory(grads, DEVICE)
                     state = dict(zip(shared, shared_, strict=True))
                     state.update(zip(part.owned, own, strict=True))
                     outs = prog(*grads, *scalars, *(state[j] for j in sorted(state)), *master_)
@@ -313,9 +321,7 @@ class HostOffload:
                     out_specs=([master[i] for i in part.params], [opt[j] for j in mine],
                                [shards[i] for i in part.params]))
                 on = lambda specs, mesh=mesh: [NamedSharding(mesh, s) for s in specs]
-                # (a gradient in host memory cannot take shards in device memory)
-                donated = ((2, 3, 4) if grads_too and not part.on_device else (2, 3)) \
-                    if donate else ()
+                donated = ((2, 3, 4) if grads_too else (2, 3)) if donate else ()
                 out.append((part, jax.jit(fn, donate_argnums=donated, keep_unused=True,
                                           out_shardings=(
                                               on(leaves(full.master)[i] for i in part.params),
@@ -342,16 +348,14 @@ class HostOffload:
 
     def _store_fn(self, on_device: bool):
         """`(gradient leaves, ok) -> float32 leaves, zero where the step was skipped`: the
-        pending update's gradient of the host's leaves, or of Twin-Flow's (read from the
-        devices' host memory into their memory)."""
+        pending update's gradient of the host's leaves, or of Twin-Flow's (in the devices'
+        memory)."""
         def build():
             on = self.on_devices("master")
             homes = [h for i, h in enumerate(jax.tree.leaves(
                 self.engine.state_shardings().pending.grads)) if (i in on) == on_device]
 
             def store(grads, ok):
-                if on_device:
-                    grads = to_memory(grads, DEVICE)
                 return [jnp.where(ok, g.astype(jnp.float32), 0.0) for g in grads]
 
             return jax.jit(store, out_shardings=homes)
@@ -558,7 +562,15 @@ class HostOffload:
             reduced[1:], state.master, state.opt_state, reduced[0])
 
 
-PARTS = 16  # the host build's outputs in about this many programs
+PARTS = 16  # the host build's outputs in about this many programs (init, restore)
+RESTORE_LEAST = 1 << 28  # a mesh's restored bytes at least for parts: below, one program
+
+
+def _placed(x, sharding):
+    """`x` on `sharding`: as it is where it is there already (a restore read it there)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 def _by_parts(fn, args, shardings):

@@ -209,7 +209,8 @@ def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> f
 
 def runs(sizes: list[int], parts: int, least: int = 0) -> list[list[int]]:
     """The indices of `sizes` in runs of consecutive ones, each of at most 1/`parts` of their
-    sum (or `least`) or a single one larger than that."""
+    sum (or `least`) or a single one larger than that; a run of less than `least` (a bias
+    between two large kernels) joins the smaller of its neighbours."""
     budget = max(max(sizes, default=0), sum(sizes) / parts, least)
     out, run, total = [], [], 0
     for i, size in enumerate(sizes):
@@ -218,4 +219,11 @@ def runs(sizes: list[int], parts: int, least: int = 0) -> list[list[int]]:
             run, total = [], 0
         run.append(i)
         total += size
-    return out + ([run] if run else [])
+    out += [run] if run else []
+    size = lambda k: sum(sizes[i] for i in out[k])
+    while len(out) > 1 and (small := [k for k in range(len(out)) if size(k) < least]):
+        k = small[0]
+        j = k - 1 if k == len(out) - 1 or (k > 0 and size(k - 1) <= size(k + 1)) else k + 1
+        lo, hi = min(j, k), max(j, k)
+        out[lo:hi + 1] = [out[lo] + out[hi]]
+    return out
