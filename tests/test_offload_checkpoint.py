@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import test_twin_flow
-from helpers import CLIP, adamw, gpt_batch, sweep, tiny_gpt
+from helpers import CLIP, adamw, gpt_batch, tiny_gpt
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_offload import assert_placement
@@ -52,7 +52,10 @@ def homes(tree) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("fraction", sweep([1.0, 0.5], quick=[1.0]))
+# The quick tier restores offload's checkpoints through the same programs with the host mesh
+# the mesh itself (test_offload's cross-offload test, the one-device test below).
+@pytest.mark.slow  # a step, a save, a restore and a step on two meshes (~7 CPU s a case)
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_offloads_checkpoint_is_made_and_read_where_its_state_lives(apart, monkeypatch,
                                                                     tmp_path, fraction):
     """A save hands orbax the params and moments on the host mesh (Twin-Flow's share on the
