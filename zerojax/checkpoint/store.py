@@ -24,7 +24,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
 
 from zerojax.checkpoint.arrays import STATE, read_arrays, stored_arrays
 from zerojax.checkpoint.guard import check_keep, check_step, first_nonfinite, writing
@@ -384,13 +383,8 @@ def _match(engine, meta: dict, where: str):
     # (and checks) but continues without.
     delayed = any(d["keys"][:1] == ["delayed"] for d in meta["scalars"])
     target = engine.logical_target(leaves, treedef, delayed=delayed)
-    if engine.host_mesh is not None:
-        # Offload: the params and optimizer state are read onto the host mesh, where the
-        # master and moments are made from them (Twin-Flow's share moves on to the devices).
-        host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-            engine.host_mesh, x.sharding.spec))
-        target = dict(target, params=jax.tree.map(host, target["params"]),
-                      opt_state=jax.tree.map(host, target["opt_state"]))
+    if engine.host_mesh is not None:  # offload: its params and moments read on the host mesh
+        target = engine._offload.read_target(target)
     diffs = _diff("opt_state", describe(target["opt_state"]), meta["opt_state"]["leaves"])
     if diffs:
         raise CheckpointError(f"{where} has another optimizer state (another optimizer or "

@@ -189,17 +189,12 @@ class HostOffload:
         `owned`: the tree's arrays are freed as their programs are done (a restore's, which
         then holds the logical tree beside the new state a part at a time: about 1/PARTS)."""
         eng = self.engine
-        target = eng.logical_target(delayed="delayed" in tree)
-        hosted = {"params", "opt_state"}
-        tree = {k: jax.tree.map(lambda x, t, k=k: _placed(
-            x, NamedSharding(self.mesh, t.sharding.spec) if k in hosted else t.sharding),
-            v, target[k]) for k, v in tree.items()}
+        target = self.read_target(eng.logical_target(delayed="delayed" in tree))
+        tree = put_global(tree, jax.tree.map(lambda t: t.sharding, target), eng.mesh)
         lagging = eng._delay is not None and "delayed" in tree
         homes = eng.state_shardings()
         if not lagging:
             homes = homes._replace(compute=None)
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                 eng.abstract_state().compute)
 
         def make():
             return OnMeshes(build if lagging else lambda t: build(t)._replace(compute=None),
@@ -209,8 +204,18 @@ class HostOffload:
         state = self._cached(key, make)(tree)
         if lagging:
             return state
-        compute = jax.jit(lambda: zeros, out_shardings=eng.state_shardings().compute)()
+        shapes = eng.abstract_state().compute
+        compute = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                          out_shardings=eng.state_shardings().compute)()
         return self._refreshed(state._replace(compute=compute))
+
+    def read_target(self, target: dict) -> dict:
+        """A logical target (`Engine.logical_target`) with its params and optimizer state on
+        the host mesh, where a restore reads them and builds the master and moments."""
+        host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            self.mesh, x.sharding.spec))
+        return dict(target, params=jax.tree.map(host, target["params"]),
+                    opt_state=jax.tree.map(host, target["opt_state"]))
 
     # ------------------------------------------------------------ the programs
 
@@ -564,13 +569,6 @@ class HostOffload:
 
 PARTS = 16  # the host build's outputs in about this many programs (init, restore)
 RESTORE_LEAST = 1 << 28  # a mesh's restored bytes at least for parts: below, one program
-
-
-def _placed(x, sharding):
-    """`x` on `sharding`: as it is where it is there already (a restore read it there)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
 
 
 def _by_parts(fn, args, shardings):

@@ -232,21 +232,13 @@ def _reshapes(jaxpr) -> bool:
     """Whether `jaxpr` (one output, from one input) only reshapes or moves its input, in
     place: the same elements in the same order, the same dtype."""
     (x,), (y,) = [v for v in jaxpr.invars if v in _read(jaxpr)], jaxpr.outvars
-    if not isinstance(y, jcore.Var) or x.aval.dtype != y.aval.dtype \
-            or x.aval.size != y.aval.size:
-        return False
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("pjit", "jit"):
-            if not _reshapes_all(e.params["jaxpr"].jaxpr):
-                return False
-        elif e.primitive.name not in _VIEW:
-            return False
-    return True
+    return isinstance(y, jcore.Var) and x.aval.dtype == y.aval.dtype \
+        and x.aval.size == y.aval.size and _only_views(jaxpr)
 
 
-def _reshapes_all(jaxpr) -> bool:
+def _only_views(jaxpr) -> bool:
     return all(e.primitive.name in _VIEW or (e.primitive.name in ("pjit", "jit")
-                                             and _reshapes_all(e.params["jaxpr"].jaxpr))
+                                             and _only_views(e.params["jaxpr"].jaxpr))
                for e in jaxpr.eqns)
 
 
