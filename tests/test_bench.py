@@ -532,3 +532,53 @@ def test_offload_checkpoint_memory_reports_each_phase(tmp_path):
     assert res["host_state_bytes"] > 0 and res["params"] > 0
     assert json.loads((tmp_path / "m.json").read_text())["preset"] == "test"
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_checkpoint_write_memory_compares_the_data_file_sizes(tmp_path):
+    """experiments/checkpoint_write_memory.py saves each tree with orbax's data-file size and
+    zerojax's, each in its own process, and reports what each took beside the tree."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import checkpoint_write_memory as cwm
+
+    from zerojax.checkpoint.store import DATA_FILE_BYTES
+
+    rows = cwm.main(["--copies", "1", "2", "--width", "8", "--out", str(tmp_path / "r.json")])
+    assert [r["data_file_bytes"] for r in rows] == [cwm.ORBAX_DEFAULT, DATA_FILE_BYTES] * 2
+    per_copy = 4 * (2 * 8 * 8 * 32 + 8 * 8 * 24 + 8 * 8 * 8 + 2 * 256 * 8)  # float32
+    assert [r["tree_bytes"] for r in rows] == [per_copy] * 2 + [2 * per_copy] * 2
+    assert all(r["extra_bytes"] >= 0 and r["seconds"] > 0 and r["data_files"] >= 1
+               for r in rows)
+    assert json.loads((tmp_path / "r.json").read_text()) == rows
+
+
+def test_gpu_offload_check_commands_parse(tmp_path):
+    """scripts/gpu_offload_check.sh's commands (printed by --dry-run, nothing run) are what
+    each experiment's own parser accepts, in priority order, with the preset passed on."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import gpu_bench
+    import offload_checkpoint_memory
+    import offload_phases
+
+    env = {**os.environ, "PYTHON": sys.executable, "HOST_MEMORY": "125e9"}
+    out = subprocess.run([str(ROOT / "scripts" / "gpu_offload_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "o"), "--preset", "test"], env=env, check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert [line.split(":")[0] for line in out] == ["bench", "largest", "phases", "ckpt"]
+    parsers = {"gpu_bench.py": gpu_bench.parse_args, "offload_phases.py": offload_phases.parse_args,
+               "offload_checkpoint_memory.py": offload_checkpoint_memory.parse_args}
+    parsed = {}
+    for line in out:
+        part, cmd = line.split(": ", 1)
+        words = cmd.split()
+        assert words[0] == sys.executable
+        parsed[part] = parsers[Path(words[1]).name](words[2:])
+        assert parsed[part].preset == "test"
+    assert parsed["bench"].variants == ["stage3_offload", "stage3_offload_dpu", "stage3_twin",
+                                        "stage3_twin_dpu"] and parsed["bench"].parts == ["bench"]
+    assert parsed["largest"].largest_variants == ["stage3_offload"]
+    assert parsed["largest"].host_memory == 125e9 and parsed["largest"].pinned_limit_gb == 110
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+    bad = subprocess.run([str(ROOT / "scripts" / "gpu_offload_check.sh"), "--bogus"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from conftest import FAST_COMPILE
 from helpers import CLIP, adamw, assert_tree_close, gpt_batch, sweep, tiny_gpt
@@ -26,6 +27,7 @@ from helpers import CLIP, adamw, assert_tree_close, gpt_batch, sweep, tiny_gpt
 import zerojax as zj
 from zerojax.app import sample, train
 from zerojax.checkpoint import store as ck
+from zerojax.checkpoint.arrays import open_array, stored_arrays
 from zerojax.models import GPT
 from zerojax.models.gpt import GPTConfig
 from zerojax.units import PlainUnits
@@ -269,6 +271,28 @@ def test_export_of_other_chunkings(ref, tmp_path):
     assert_bitwise(ex.load_exported(tmp_path / "p.safetensors"), ref.params)
 
 
+def test_data_files_are_bounded(ref, tmp_path, monkeypatch):
+    """A save writes data files of about `DATA_FILE_BYTES` (orbax's writer holds a data file in
+    host memory until it is written; its default, 2 GiB, took 0.9x of a large tree), a larger
+    leaf in chunks of at most that: restore and export read the same values."""
+    target = 16 * 1024
+    monkeypatch.setattr(ck, "DATA_FILE_BYTES", target)
+    engine = make_engine(1, 2)
+    engine.save(engine.restore(ref.dir), tmp_path / "c")
+    path = tmp_path / "c"
+    arrays_dir, arrays, zarr3 = stored_arrays(path, 3, "the test's save")
+    ctx = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    kernel = open_array(arrays_dir, arrays[("params", "blocks", "attn", "qkv", "kernel")],
+                        zarr3, ctx).result()
+    assert kernel.dtype.numpy_dtype.itemsize * np.prod(kernel.shape) > target  # 24,576 bytes
+    assert np.prod(kernel.chunk_layout.read_chunk.shape) * 4 <= target  # chunked to fit
+    sizes = [f.stat().st_size for f in path.glob("3/state/ocdbt.process_*/d/*")]
+    assert max(sizes) <= 2 * target, sorted(sizes)  # 77 KB at orbax's default (measured)
+    assert_bitwise(engine.params(engine.restore(path)), ref.params)
+    ex.export(path, tmp_path / "p.safetensors")
+    assert_bitwise(ex.load_exported(tmp_path / "p.safetensors"), ref.params)
+
+
 # ---------------------------------------------------------------- failures
 
 
@@ -480,7 +504,7 @@ def test_checksum_sees_swapped_rows_and_the_scalars(ref, tmp_path, capsys):
     d = tmp_path / "ckpt"
     meta = json.loads((ref.dir / "3" / "meta" / "metadata").read_text())
     mngr = ck._manager(d, create=True)
-    mngr.save(3, args=ck.ocp.args.Composite(state=ck.ocp.args.StandardSave(tree),
+    mngr.save(3, args=ck.ocp.args.Composite(state=ck.ocp.args.PyTreeSave(tree),
                                             meta=ck.ocp.args.JsonSave(meta)))
     mngr.wait_until_finished()
     with pytest.raises(zj.CheckpointError, match=(

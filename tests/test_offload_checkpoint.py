@@ -26,7 +26,7 @@ def spied(monkeypatch):
     """What the next save hands orbax and what the next restore reads into: {"saved": logical
     tree, "read": [(name, ShapeDtypeStruct)]}."""
     seen = {}
-    save = ocp.args.StandardSave
+    save = ocp.args.PyTreeSave
 
     def on_save(tree, *a, **k):
         seen["saved"] = tree
@@ -37,7 +37,7 @@ def spied(monkeypatch):
         return read(stored, named, where)
 
     read = store.read_arrays
-    monkeypatch.setattr(ocp.args, "StandardSave", on_save)
+    monkeypatch.setattr(ocp.args, "PyTreeSave", on_save)
     monkeypatch.setattr(store, "read_arrays", on_read)
     return seen
 

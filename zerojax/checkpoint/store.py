@@ -46,6 +46,11 @@ from zerojax.state import check_state
 from zerojax.update.offload import OnMeshes, by_mesh
 
 META = "meta"
+# The most bytes one of a save's data files holds. Orbax's OCDBT writer buffers a data file
+# until it reaches this size (2 GiB by default), so a save held about 0.9x of its tree in host
+# memory beside the tree itself (docs/checkpoints.md, "Design notes"); at 32 MiB it holds about
+# 250 MB whatever the tree's size, and larger leaves are stored in chunks of at most this.
+DATA_FILE_BYTES = 32 * 2**20
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
 KEEP: int | None = None  # default number of most recent steps a save keeps; None keeps all
 
@@ -115,7 +120,7 @@ def _dir(directory) -> Path:
 
 
 def _manager(path: Path, keep: int | None = None, create: bool = False):
-    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+    handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            cleanup_tmp_directories=create)
     return ocp.CheckpointManager(path, options=options, item_handlers=handlers)
@@ -227,8 +232,9 @@ def save(engine, state, directory, step: int | None = None, *, wait: bool = True
                               f"save to another directory")
     try:
         with writing(path, step):
-            mngr.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(tree),
-                                                       META: ocp.args.JsonSave(meta)}),
+            mngr.save(step, args=ocp.args.Composite(
+                **{STATE: ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=DATA_FILE_BYTES),
+                   META: ocp.args.JsonSave(meta)}),
                       force=True)
             if wait:
                 mngr.wait_until_finished()
