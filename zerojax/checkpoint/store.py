@@ -46,10 +46,10 @@ from zerojax.state import check_state
 from zerojax.update.offload import OnMeshes, by_mesh
 
 META = "meta"
-# The most bytes one of a save's data files holds. Orbax's OCDBT writer buffers a data file
-# until it reaches this size (2 GiB by default), so a save held about 0.9x of its tree in host
-# memory beside the tree itself (docs/checkpoints.md, "Design notes"); at 32 MiB it holds about
-# 250 MB whatever the tree's size, and larger leaves are stored in chunks of at most this.
+# The target size of a save's data files (a file may reach about twice it). Orbax's OCDBT
+# writer holds a data file in host memory until the file is this large: at orbax's 2 GiB a save
+# held 0.46-0.90x of its tree beside it, at 32 MiB about 0.25 GB whatever the tree's size
+# (docs/checkpoints.md, "A save's host memory is bounded"). Larger leaves go in chunks of this.
 DATA_FILE_BYTES = 32 * 2**20
 RUN_CHECKPOINTS = "checkpoints"  # where `python -m zerojax train` saves inside its run directory
 KEEP: int | None = None  # default number of most recent steps a save keeps; None keeps all
