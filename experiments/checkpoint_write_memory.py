@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,11 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ORBAX_DEFAULT = 2**31  # orbax's _DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE
 # one copy: a layer stack's kernels and two small leaves, 0.40 GB in float32 at width 1024
 SHAPES = [(8, 1, 4), (8, 1, 4), (8, 1, 3), (8, 1, 1), (256, 1), (256, 1)]
-
-
-def resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def one(copies: int, width: int, data_file_bytes: int) -> dict:
@@ -41,27 +35,19 @@ def one(copies: int, width: int, data_file_bytes: int) -> dict:
             for k in range(copies) for i, s in enumerate(shapes)}
     nbytes = sum(x.nbytes for x in tree.values())
     jax.block_until_ready(tree)
-    peak, stop, base = [0], [False], resident()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offload_checkpoint_memory import Peak  # the same watcher of resident memory
 
-    def watch():
-        while not stop[0]:
-            peak[0] = max(peak[0], resident() - base)
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, Peak() as peak:
+        start = time.perf_counter()
         ck = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
         ck.save(Path(d) / "x", args=ocp.args.PyTreeSave(
             tree, ocdbt_target_data_file_size=data_file_bytes))
         ck.wait_until_finished()
         seconds = time.perf_counter() - start
-        stop[0] = True
-        thread.join()
         files = sum(1 for _ in (Path(d) / "x").glob("ocdbt.process_*/d/*"))
-    return {"tree_bytes": nbytes, "data_file_bytes": data_file_bytes, "extra_bytes": peak[0],
-            "over_tree": peak[0] / nbytes, "seconds": seconds, "data_files": files}
+    return {"tree_bytes": nbytes, "data_file_bytes": data_file_bytes, "extra_bytes": peak.host,
+            "over_tree": peak.host / nbytes, "seconds": seconds, "data_files": files}
 
 
 def main(argv=None) -> list[dict]:

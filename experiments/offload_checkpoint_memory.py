@@ -114,13 +114,13 @@ def main(argv=None) -> dict:
     state, _ = phase("step", lambda: eng.step(state, batch))
     phase("save (first: compiles)", lambda: eng.save(state, where / "a"))
     phase("save", lambda: eng.save(state, where / "b"))
-    del state
+    state = None  # dropped: the restore holds nothing else
     back = phase("restore (nothing else held)", lambda: eng.restore(where / "b"))
     phase("first step after it", lambda: eng.step(back, batch))
     if a.dir is None:
         shutil.rmtree(where, ignore_errors=True)
-    res = {"device": jax.devices()[0].device_kind, "preset": a.preset, "params": eng.layout.num_params,
-           "host_state_bytes": host, "over_host_state": rows}
+    res = {"device": jax.devices()[0].device_kind, "preset": a.preset,
+           "params": eng.layout.num_params, "host_state_bytes": host, "over_host_state": rows}
     write_json(a.out, res)
     return res
 

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.checkpoint.record import by_rows
+from zerojax.checkpoint.record import by_rows, per_mesh
 from zerojax.errors import ArgumentError, CheckpointError, ConfigError
-from zerojax.update.offload import by_mesh
 
 
 def check_keep(keep) -> int | None:
@@ -66,9 +65,7 @@ def first_nonfinite(engine, tree) -> str | None:
     checked = _checked(engine, tree)
     if not checked:
         return None
-    ok = np.asarray(jax.device_get(by_mesh(lambda group: (
-        _finite_by_rows if len(group[0].sharding.device_set) == 1 else _finite)(group),
-        [x for _, x in checked])))
+    ok = np.asarray(jax.device_get(per_mesh(_finite, _finite_by_rows, [x for _, x in checked])))
     return None if ok.all() else checked[int(np.argmin(ok))][0]
 
 

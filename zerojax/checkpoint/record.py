@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from zerojax.errors import CheckpointError
+from zerojax.update.offload import by_mesh
 
 # Version 2: position-sensitive checksums, which also cover the step counter, loss scale, base
 # key and model state.
@@ -81,6 +82,14 @@ def checksum_by_rows(x, block: int = BLOCK) -> jax.Array:
         return weighted_sum(bits, flat, jnp)
 
     return by_rows(x, part, jnp.uint32(0), lambda a, b: a + b, block)
+
+
+def per_mesh(whole, rows, xs: list) -> list:
+    """`whole(group)` of each mesh's group of `xs`, by a program of that mesh; on a mesh of one
+    device `rows(group)`, its by-rows form (`by_rows`): the host's leaves of a model larger
+    than the devices' memory, whose temporaries XLA:CPU would otherwise hold whole."""
+    return by_mesh(lambda group: (rows if len(group[0].sharding.device_set) == 1
+                                  else whole)(group), xs)
 
 
 def np_checksum(x: np.ndarray, shape=None, start=None) -> int:

@@ -37,13 +37,14 @@ from zerojax.checkpoint.record import (
     leaf_checksums,
     named_leaves,
     parts,
+    per_mesh,
     unparts,
     why,
 )
 from zerojax.errors import ArgumentError, CheckpointError
 from zerojax.partition import LeafSpec
 from zerojax.state import check_state
-from zerojax.update.offload import OnMeshes, by_mesh
+from zerojax.update.offload import OnMeshes
 
 META = "meta"
 # The target size of a save's data files (a file may reach about twice it). Orbax's OCDBT
@@ -99,11 +100,8 @@ _checksums_by_rows = jax.jit(lambda xs: [checksum_by_rows(x) for x in xs])
 
 
 def _sums(xs: list) -> list:
-    """`checksum` of each array, by a program of the mesh it lives on; on one device by
-    blocks of rows (`record.by_rows`): the host's leaves of a model larger than the devices'
-    memory, whose index hashes XLA:CPU would otherwise hold whole beside them."""
-    return by_mesh(lambda group: (_checksums_by_rows if len(group[0].sharding.device_set) == 1
-                                  else _checksums)(group), xs)
+    """`checksum` of each array, by a program of the mesh it lives on (`record.per_mesh`)."""
+    return per_mesh(_checksums, _checksums_by_rows, xs)
 
 
 # ---------------------------------------------------------------- save / restore
