@@ -10,12 +10,22 @@ leaf where its state leaf lives, on one device a view of the state's own buffer;
 reads the params and moments onto the host mesh and builds the master and moments there in
 parts, each freeing what it read (checkpoint/store.py, update/offload.py `OnMeshes`).
 
+`--restore-only DIR` is a resume: a fresh process that builds the engine and restores DIR (a
+step written by a run of this script with `--dir`, its `b`), nothing before it. It reports the
+peak and the end over the host state, and the host arrays alive after it (the state and, on a
+CPU machine, the compute params): what the process holds beyond them is the allocator's and
+the reads'. `--mmap-threshold BYTES` fixes glibc's mmap threshold first (as
+MALLOC_MMAP_THRESHOLD_ would), so that freed large blocks go back to the system.
+
     .venv/bin/python experiments/offload_checkpoint_memory.py --preset 1b --out runs/ckpt.json
+    .venv/bin/python experiments/offload_checkpoint_memory.py --preset 1b --dir /tmp/c
+    .venv/bin/python experiments/offload_checkpoint_memory.py --preset 1b --restore-only /tmp/c/b
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import shutil
 import sys
@@ -48,7 +58,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None,
                    help="where the checkpoints go (default: a temporary directory)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--restore-only", type=Path, default=None, metavar="DIR",
+                   help="only restore DIR, in this fresh process (a resume)")
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="glibc's mmap threshold, fixed at BYTES before anything is allocated")
     return p.parse_args(argv)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_mmap_threshold(nbytes: int) -> None:
+    """glibc's mmap threshold fixed at `nbytes` (its default grows with the blocks freed, up to
+    32 MiB, and what is freed below it stays in the process)."""
+    if ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+        raise SystemExit(f"--mmap-threshold {nbytes}: mallopt refused it (not glibc?)")
+
+
+def host_array_bytes() -> int:
+    """Bytes of the live arrays in host memory (the CPU backend's)."""
+    return sum(x.nbytes for x in jax.live_arrays()
+               if all(d.platform == "cpu" for d in x.sharding.device_set))
 
 
 def resident() -> int:
@@ -85,6 +115,8 @@ class Peak:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.mmap_threshold is not None:
+        fix_mmap_threshold(a.mmap_threshold)
     cfg = PRESETS[a.preset]
     if a.layers:
         cfg = dataclasses.replace(cfg, n_layers=a.layers)
@@ -94,6 +126,8 @@ def main(argv=None) -> dict:
     mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
     eng = zj.Engine(model, optax.adamw(1e-4), mesh,
                     zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer"))
+    if a.restore_only is not None:
+        return restore_only(a, eng)
     tokens = np.random.default_rng(0).integers(
         0, model.cfg.vocab_size, (a.batch, model.cfg.seq_len + 1), dtype=np.int32)
     batch = put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
@@ -121,6 +155,24 @@ def main(argv=None) -> dict:
         shutil.rmtree(where, ignore_errors=True)
     res = {"device": jax.devices()[0].device_kind, "preset": a.preset,
            "params": eng.layout.num_params, "host_state_bytes": host, "over_host_state": rows}
+    write_json(a.out, res)
+    return res
+
+
+def restore_only(a, eng) -> dict:
+    with Peak() as p:
+        state = jax.block_until_ready(eng.restore(a.restore_only))
+    host = state_bytes(eng)["host"]
+    row = {"host": p.host / host, "device": p.device / host,
+           "host_at_end": (resident() - p.base) / host, "host_arrays": host_array_bytes() / host}
+    print(f"restore, fresh process: host peak +{row['host']:.2f}x, at its end "
+          f"+{row['host_at_end']:.2f}x, host arrays {row['host_arrays']:.2f}x; device "
+          f"+{row['device']:.2f}x (of the host state, {host / 1e9:.2f} GB; mmap threshold "
+          f"{a.mmap_threshold or 'glibc default'})", flush=True)
+    del state
+    res = {"device": jax.devices()[0].device_kind, "preset": a.preset,
+           "params": eng.layout.num_params, "host_state_bytes": host,
+           "mmap_threshold": a.mmap_threshold, "restore_fresh_process": row}
     write_json(a.out, res)
     return res
 

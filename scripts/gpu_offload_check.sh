@@ -3,16 +3,18 @@
 # offload, offload with the delayed update and Twin-Flow (0.4 of the state on the host), with
 # and without the delay, on the 1b preset; the largest GPT that steps with offload against
 # `plan --largest`'s prediction; where an offloaded step's time goes; the host and device
-# memory of a save and a restore. The parts run in that order, most important first, each
+# memory of a save and a restore; a resume's (a restore in a fresh process), with glibc's
+# malloc as it is and with its mmap threshold fixed at 16 MiB. The parts run in that order, most important first, each
 # under its own time limit and all within --budget seconds: a part that would start with under
 # 30 s left is skipped and named. Writes OUT/ (default runs/offload_check) and, with --pack
 # DIR (the device tool's $OUT), puts there one gzipped tar of OUT and the report files.
 #
 #   usage: scripts/gpu_offload_check.sh [--out DIR] [--budget S] [--pack DIR] [--preset P]
 #                                       [--batch B] [--dry-run] [PART ...]
-#   parts: bench largest phases ckpt (default: all four)
+#   parts: bench largest phases ckpt resume resume-mmap (default: all, in that order; the
+#          resumes read the step the ckpt part leaves in $TMPDIR, and the last deletes it)
 #   e.g.   scripts/gpu_offload_check.sh --budget 420 --pack "$OUT"
-#          scripts/gpu_offload_check.sh --pack "$OUT" phases ckpt   # the rest, on a rerun
+#          scripts/gpu_offload_check.sh --pack "$OUT" phases ckpt resume resume-mmap  # the rest
 #
 # Environment: PYTHON (as scripts/gpu_bench.sh), HOST_MEMORY (bytes for plan's estimate;
 # default: the machine's), PINNED_LIMIT_GB (XLA:GPU's pinned-host pool; default 110).
@@ -32,17 +34,19 @@ while (($#)); do
         --preset) preset=$2; shift 2 ;;
         --batch) batch=$2; shift 2 ;;
         --dry-run) dry=1; shift ;;
-        bench|largest|phases|ckpt) parts+=("$1"); shift ;;
+        bench|largest|phases|ckpt|resume|resume-mmap) parts+=("$1"); shift ;;
         *) echo "gpu_offload_check.sh: unknown argument '$1' (see the usage at its top)" >&2
            exit 2 ;;
     esac
 done
-((${#parts[@]})) || parts=(bench largest phases ckpt)
+((${#parts[@]})) || parts=(bench largest phases ckpt resume resume-mmap)
 ((dry)) || mkdir -p "$out"
 
 # Each part's time limit in seconds, and its command (`cmd`) for a limit of $2 seconds: the
 # children of gpu_bench.py (the whole bench; each probe of the search) stop 10 s before it.
-declare -A limits=([bench]=270 [largest]=240 [phases]=120 [ckpt]=150)
+declare -A limits=([bench]=270 [largest]=240 [phases]=120 [ckpt]=150 [resume]=75
+                   [resume-mmap]=75)
+ckpt_dir="${TMPDIR:-/tmp}/zerojax-offload-check-ckpt"  # not under OUT: --pack tars OUT
 command_of() {
     local bench=("$PYTHON" "$root/experiments/gpu_bench.py" --out "$out" --preset "$preset")
     case $1 in
@@ -55,7 +59,12 @@ command_of() {
         phases) cmd=("$PYTHON" "$root/experiments/offload_phases.py" --preset "$preset"
                 --batch "$batch" --out "$out/phases.json") ;;
         ckpt) cmd=("$PYTHON" "$root/experiments/offload_checkpoint_memory.py" --preset "$preset"
-              --out "$out/ckpt.json") ;;
+              --dir "$ckpt_dir" --out "$out/ckpt.json") ;;
+        resume) cmd=("$PYTHON" "$root/experiments/offload_checkpoint_memory.py" --preset "$preset"
+                --restore-only "$ckpt_dir/b" --out "$out/resume.json") ;;
+        resume-mmap) cmd=("$PYTHON" "$root/experiments/offload_checkpoint_memory.py" --preset
+                     "$preset" --restore-only "$ckpt_dir/b" --mmap-threshold $((16 << 20))
+                     --out "$out/resume_mmap.json") ;;
     esac
 }
 
@@ -67,6 +76,7 @@ for part in "${parts[@]}"; do
     if ((left < 30)); then skipped+=("$part"); continue; fi
     ((limit < left)) || limit=$left
     command_of "$part" "$limit"
+    [[ $part == ckpt ]] && rm -rf "$ckpt_dir"  # a fresh one
     echo "== $part (at most ${limit} s; ${left} s of the budget left)" >&2
     rc=0
     timeout --kill-after=10 "$limit" "${cmd[@]}" >"$out/$part.out" 2>"$out/$part.err" || rc=$?
@@ -74,11 +84,13 @@ for part in "${parts[@]}"; do
     tail -n 25 "$out/$part.out" >&2
 done
 ((dry)) && exit 0
+# the resumes' step (the 1b preset's two steps: ~30 GB) is kept for a later call's resumes
+[[ " ${parts[*]} " == *" resume"* ]] && rm -rf "$ckpt_dir"
 ((${#skipped[@]} == 0)) || echo "skipped for lack of time: ${skipped[*]} (run them again)" >&2
 if [[ -n $pack ]]; then
     mkdir -p "$pack"
     tar czf "$pack/offload_check.tgz" -C "$out" .
-    for f in gpu_bench.md phases.json ckpt.json; do
+    for f in gpu_bench.md phases.json ckpt.json resume.json resume_mmap.json; do
         [[ -f $out/$f ]] && cp "$out/$f" "$pack/"
     done
 fi

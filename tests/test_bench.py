@@ -532,6 +532,21 @@ def test_offload_checkpoint_memory_reports_each_phase(tmp_path):
     assert res["host_state_bytes"] > 0 and res["params"] > 0
     assert json.loads((tmp_path / "m.json").read_text())["preset"] == "test"
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["a", "b"]
+    # A resume: the second step restored in a fresh process, glibc's mmap threshold fixed.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    script = ROOT / "experiments" / "offload_checkpoint_memory.py"
+    proc = subprocess.run([sys.executable, str(script),
+                           "--preset", "test", "--restore-only", str(tmp_path / "c" / "b"),
+                           "--mmap-threshold", str(16 << 20), "--out", str(tmp_path / "r.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["mmap_threshold"] == 16 << 20 and res["params"] == 21_760
+    row = res["restore_fresh_process"]
+    assert row["host"] >= row["host_at_end"] > 0 and row["device"] >= 0
+    # the state (master, two moments: 12 bytes a param) and the compute params (2 or 4 bytes)
+    assert row["host_arrays"] == pytest.approx(1 + 2 / 12, rel=0.02)
+    assert "restore, fresh process: host peak" in proc.stdout
 
 
 @pytest.mark.slow
@@ -564,7 +579,8 @@ def test_gpu_offload_check_commands_parse(tmp_path):
     out = subprocess.run([str(ROOT / "scripts" / "gpu_offload_check.sh"), "--dry-run", "--out",
                           str(tmp_path / "o"), "--preset", "test"], env=env, check=True,
                          capture_output=True, text=True).stdout.splitlines()
-    assert [line.split(":")[0] for line in out] == ["bench", "largest", "phases", "ckpt"]
+    assert [line.split(":")[0] for line in out] == ["bench", "largest", "phases", "ckpt",
+                                                    "resume", "resume-mmap"]
     parsers = {"gpu_bench.py": gpu_bench.parse_args, "offload_phases.py": offload_phases.parse_args,
                "offload_checkpoint_memory.py": offload_checkpoint_memory.parse_args}
     parsed = {}
@@ -578,6 +594,12 @@ def test_gpu_offload_check_commands_parse(tmp_path):
                                         "stage3_twin_dpu"] and parsed["bench"].parts == ["bench"]
     assert parsed["largest"].largest_variants == ["stage3_offload"]
     assert parsed["largest"].host_memory == 125e9 and parsed["largest"].pinned_limit_gb == 110
+    # the resumes read the second step the ckpt part writes, outside OUT (which is packed)
+    assert parsed["resume"].restore_only == parsed["ckpt"].dir / "b" \
+        == parsed["resume-mmap"].restore_only
+    assert tmp_path / "o" not in parsed["ckpt"].dir.parents
+    assert (parsed["resume"].mmap_threshold, parsed["resume-mmap"].mmap_threshold) == (
+        None, 16 << 20)
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
     bad = subprocess.run([str(ROOT / "scripts" / "gpu_offload_check.sh"), "--bogus"],
                          capture_output=True, text=True)
