@@ -21,6 +21,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax-tests-xla-")
     os.environ["ZEROJAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+# The workers and every subprocess make their temporary files in one directory of the session,
+# removed with it: a process a test kills (or that leaves by os._exit) leaves no finalizer to
+# clean up what it made (wandb's media and artifact directories, an interrupted save's files).
+if "ZEROJAX_TESTS_OWN_TMP" not in os.environ:
+    os.environ["ZEROJAX_TESTS_OWN_TMP"] = tempfile.mkdtemp(prefix="zerojax-tests-tmp-")
+    os.environ["TMPDIR"] = os.environ["ZEROJAX_TESTS_OWN_TMP"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -55,7 +61,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    """The session that made the compilation cache removes it (workers share it)."""
-    own = os.environ.get("ZEROJAX_TESTS_OWN_CACHE")
-    if own and not hasattr(config, "workerinput"):
-        shutil.rmtree(own, ignore_errors=True)
+    """The session that made the compilation cache and the temporary directory removes them
+    (the workers share them)."""
+    if hasattr(config, "workerinput"):
+        return
+    for own in ("ZEROJAX_TESTS_OWN_CACHE", "ZEROJAX_TESTS_OWN_TMP"):
+        if os.environ.get(own):
+            shutil.rmtree(os.environ[own], ignore_errors=True)

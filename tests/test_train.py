@@ -833,10 +833,11 @@ def test_nano_stage3_learns_and_writes_outputs(tmp_path, capfd):
 @pytest.mark.slow
 def test_model_parallel_quick_start_reaches_the_same_eval_loss(tmp_path):
     """The quick start on 8 devices, with and without a model axis of 2: the same eval loss
-    after 15 steps (float32; only the order of the reductions differs; they agree to ~6e-6
-    and have learned ~2.36 nats/token)."""
+    after 15 steps (float32; only the order of the reductions differs; they agree to ~4e-8
+    and have learned ~2.24 nats/token). Sequences of 32 tokens: the same params (the context
+    stays 128) at a quarter of the steps' cost."""
     argv = ["train", "--devices", 8, "--steps", 15, "--eval-every", 15, "--eval-batches", 2,
-            "--no-tensorboard"]
+            "--seq-len", 32, "--no-tensorboard"]
     runs = {name: zerojax(*argv, *more, "--out", tmp_path / name, fast=False)
             for name, more in (("flat", []), ("tp", ["--model-parallel", 2]))}
     for r in runs.values():
