@@ -4,15 +4,17 @@
 # and without the delay, on the 1b preset; the largest GPT that steps with offload against
 # `plan --largest`'s prediction; where an offloaded step's time goes; the host and device
 # memory of a save and a restore; a resume's (a restore in a fresh process), with glibc's
-# malloc as it is and with its mmap threshold fixed at 16 MiB. The parts run in that order, most important first, each
-# under its own time limit and all within --budget seconds: a part that would start with under
-# 30 s left is skipped and named. Writes OUT/ (default runs/offload_check) and, with --pack
-# DIR (the device tool's $OUT), puts there one gzipped tar of OUT and the report files.
+# malloc as it is and with its mmap threshold fixed at 16 MiB. The parts run in that order,
+# most important first, each under its own time limit and all within --budget seconds: a part
+# that would start with under 30 s left is skipped and named. Writes OUT/ (default
+# runs/offload_check) and, with --pack DIR (the device tool's $OUT), puts there one gzipped tar
+# of OUT and the report files.
 #
 #   usage: scripts/gpu_offload_check.sh [--out DIR] [--budget S] [--pack DIR] [--preset P]
 #                                       [--batch B] [--dry-run] [PART ...]
 #   parts: bench largest phases ckpt resume resume-mmap (default: all, in that order; the
-#          resumes read the step the ckpt part leaves in $TMPDIR, and the last deletes it)
+#          resumes read the step the ckpt part keeps in $TMPDIR, which a run with a resume
+#          part deletes at its end)
 #   e.g.   scripts/gpu_offload_check.sh --budget 420 --pack "$OUT"
 #          scripts/gpu_offload_check.sh --pack "$OUT" phases ckpt resume resume-mmap  # the rest
 #
