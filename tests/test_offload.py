@@ -676,7 +676,9 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(model, adamw(), mesh, batches,
                                                         stage=stage, clip_norm=CLIP, **wire)
     np.testing.assert_allclose(l1, l0, rtol=1e-5)
-    np.testing.assert_allclose(n1, n0, rtol=1e-5)
+    # qgZ's norm is of the dequantized gradient: a block that rounds the other way moves it by
+    # a step of its own (measured 6.0e-5 on one CPU, under 1e-5 on another; losses 1.2e-7)
+    np.testing.assert_allclose(n1, n0, rtol=1e-5 if inside else 3e-4)
     # By their distance relative to how far the run moved the params: an element whose
     # quantized block rounds the other way moves by a step of its own (measured with qgZ: 4
     # of 2048 weights by 1.5e-5 after 6 steps), which an element-wise tolerance cannot tell
