@@ -314,14 +314,13 @@ def test_offload_table_and_memory_rows():
         ("", "438 KB device + 2.63 MB host measured: this device's shards of the state"),
         ("", "+ grads 438 KB (bfloat16) only while a step runs; 875 KB host<->device per step"),
     ]
-    # With the delayed update the host also holds the pending float32 gradient (4 B a param);
-    # the master and the moments stay what they were.
+    # With the delayed update the host also holds the pending gradient as it arrived (bf16,
+    # 2 B a param); the master and the moments stay what they were.
     est = estimate_for(875_264, 4, 3, types.SimpleNamespace(
         param_dtype="bfloat16", replica=1, offload="optimizer", delayed_update=2))
-    assert memory_rows(est, 3_938_688 + 16, 3_500_928)[1] == (
-        "memory/host", "3.50 MB estimated in host memory (offload) = float32 master 875 KB + "
-                       "Adam moments 1.75 MB + the pending float32 gradient 875 KB (delayed "
-                       "update)")
+    assert memory_rows(est, 3_501_056 + 16, 3_063_424)[1] == (
+        "memory/host", "3.06 MB estimated in host memory (offload) = float32 master 875 KB + "
+                       "Adam moments 1.75 MB + the pending gradient 438 KB (delayed update)")
 
 
 def test_twin_flow_keeps_its_share_of_the_host_bytes_on_the_devices():
@@ -369,32 +368,33 @@ def test_bad_offload_fraction_estimates(kw, message):
 
 def test_delayed_update_adds_the_pending_gradient_shard():
     """ZeRO figure 1's Ψ on 64 devices in bf16 with the delayed update: the host also holds the
-    pending float32 gradient shard, 4Ψ/N = 0.47 GB (host 12Ψ/N -> 16Ψ/N, host peak 16Ψ/N ->
-    20Ψ/N), and the device the next step's compute shard, 2Ψ/N, while a step runs."""
+    pending gradient shard as it arrived (bf16), 2Ψ/N = 0.23 GB (host 12Ψ/N -> 14Ψ/N, host
+    peak 16Ψ/N -> 18Ψ/N), and the device the next step's compute shard, 2Ψ/N, while a step
+    runs."""
     psi, n = 7_500_000_000, 64
     for s in (1, 2, 3):
         plain = estimate(psi, n, s, offload="optimizer")
         for k in (0, 40):
             m = estimate(psi, n, s, offload="optimizer", delayed_update=k)
-            assert (m.pending, m.ahead) == (4 * psi / n, 2 * psi / n) == (0.46875 * GB,
+            assert (m.pending, m.ahead) == (2 * psi / n, 2 * psi / n) == (0.234375 * GB,
                                                                           0.234375 * GB)
-            assert (m.host, m.host_peak) == (16 * psi / n, 20 * psi / n) == (1.875 * GB,
-                                                                             2.34375 * GB)
+            assert (m.host, m.host_peak) == (14 * psi / n, 18 * psi / n) == (1.640625 * GB,
+                                                                             2.109375 * GB)
             assert m.host - plain.host == m.host_peak - plain.host_peak == m.pending
             assert (m.total - plain.total, m.state) == (m.ahead, plain.state)
             assert (m.params, m.grads, m.optimizer, m.transfer) == (
                 plain.params, plain.grads, plain.optimizer, plain.transfer)
             assert state_estimate(psi, n, s, offload="optimizer", delayed_update=k) == m
-    # float32 params: the compute shard that comes up is 4 bytes.
+    # float32 params: the gradient that waits and the compute shard that comes up are 4 bytes.
     f32 = state_estimate(1000, 8, 3, "float32", offload="optimizer", delayed_update=1)
     assert (f32.pending, f32.ahead, f32.host) == (500, 500, 2000)
     # Without the delay nothing changes, and as_dict names the fields only with it.
     assert "pending" not in estimate(psi, n, 3, offload="optimizer").as_dict()
     assert estimate(psi, n, 3, offload="optimizer", delayed_update=2).as_dict()["pending"] == \
-        0.46875 * GB
+        0.234375 * GB
     rows = estimate_table(psi, n, offload="optimizer", delayed_update=2)
     assert (rows[3]["host"], rows[3]["host peak"], rows[3]["of which pending"]) == (
-        "1.88 GB", "2.34 GB", "469 MB")
+        "1.64 GB", "2.11 GB", "234 MB")
     assert "of which pending" not in estimate_table(psi, n, offload="optimizer")[3]
 
 

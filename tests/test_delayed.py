@@ -186,8 +186,9 @@ def test_the_first_k_steps_are_plain_offloads_and_k0_runs_as_k1(runs):
 @pytest.mark.slow
 def test_a_skipped_step_leaves_nothing_pending():
     """float16 loss scaling: the first steps overflow and are skipped. A skipped step's update
-    is skipped (nothing pending after it); the run then equals one that started at the scale
-    the skips left, from the untouched initial params."""
+    is skipped: its gradient waits as it arrived, overflowed, with `ok` False, and the next
+    update does not read it (the params stay finite and untouched); the run then equals one
+    that started at the scale the skips left, from the untouched initial params."""
     mesh = zj.make_mesh(data=2, replica=2)
     batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
 
@@ -204,7 +205,9 @@ def test_a_skipped_step_leaves_nothing_pending():
         skipped.append(int(m["skipped"]))
         if skipped[-1]:
             assert not bool(state.pending.ok)
-            assert all(not np.asarray(g).any() for g in jax.tree.leaves(state.pending.grads))
+            assert not all(np.isfinite(np.asarray(g)).all()
+                           for g in jax.tree.leaves(state.pending.grads))
+            assert_bitwise(eng.params(state), eng.params(eng.init(jax.random.key(0), batch)))
     s = sum(skipped)
     assert 0 < s < 8 and skipped == [1] * s + [0] * (8 - s)
     assert bool(state.pending.ok)
@@ -296,3 +299,27 @@ def test_bad_delayed_update_is_one_config_error(cfg, match):
     with pytest.raises(zj.ConfigError, match=match):
         zj.ZeroConfig(**cfg)
     assert zj.ZeroConfig(stage=2, offload="optimizer", delayed_update=0).delayed_update == 0
+
+
+@pytest.mark.parametrize("stage, accum", [(3, 1), (1, 2), (3, 2)])
+def test_the_pending_gradient_waits_as_it_arrived(stage, accum):
+    """No program stores the pending gradient: it is the reduced shard as the gradients
+    program gave it, in `plan.reduced_dtype` (bf16 here; float32 where stages 2-3 sum their
+    micro-batches' shards), which is what init's empty pending update holds, so a state keeps
+    its dtypes from step to step."""
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    eng = zj.Engine(SeedMLP(), optax.adam(0.1), zj.make_mesh(data=2, devices=jax.devices()[:2]),
+                    zj.ZeroConfig(stage=stage, param_dtype="bfloat16", grad_accum=accum,
+                                  offload="optimizer", delayed_update=0))
+    want = np.dtype(jnp.float32 if stage >= 2 and accum > 1 else jnp.bfloat16)
+    state = eng.init(jax.random.key(0), batch)
+    assert eng.plan.reduced_dtype == want
+    assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}
+    off = eng._offload
+    _, reduced, _ = off._grads_fn()(off.device_part(state), zj.mesh.put_batch(batch, eng.mesh))
+    arrived = off.down(jax.tree.leaves(reduced[0]))
+    assert {g.dtype for g in arrived} == {want}
+    for _ in range(2):
+        state, _ = eng.step(state, batch)
+        assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}
+    assert bool(state.pending.ok)

@@ -88,20 +88,30 @@ def offload_pair(model, optimizer, mesh, batches, **cfg):
 @pytest.mark.parametrize("stage", sweep([1, 2, 3], quick=[3]))
 @pytest.mark.parametrize("n", sweep([1, 4], quick=[4]))
 def test_offload_gives_the_same_numbers(stage, n):
-    """The offload-free run's numbers to the last bits. The update is a program of the host's
-    own, compiled apart from the step, so XLA rounds some of its float operations otherwise
-    (stage 1, measured: losses 1.7e-7 relative over 20 steps); at stages 2-3 each unit's
-    gradient also leaves for the host inside the backward, with its sum of squares taken
-    there per unit (`units.arrive`): the global norm is the same sum in another order
-    (measured: losses 1.6e-7, norms 1.9e-7 relative, params 1.2e-7 over 20 steps). Apart
-    from the step's, the device's program fuses its backward otherwise too: even the first
-    step's norm may differ in its last bit."""
+    """The offload-free run's numbers to the last bits, the params by their distance against
+    how far the run moved them (XLA:CPU's codegen differs between CPUs). The update is a
+    program of the host's own, compiled apart from the step, so XLA rounds some of its float
+    operations otherwise (stage 1, measured: losses 1.7e-7 relative over 20 steps); at
+    stages 2-3 each unit's gradient also leaves for the host inside the backward, with its sum
+    of squares taken there per unit (`units.arrive`): the global norm is the same sum in
+    another order (measured: losses 1.6e-7, norms 1.9e-7 relative, params 1.2e-7 over 20
+    steps). Apart from the step's, the device's program fuses its backward otherwise too: even
+    the first step's norm may differ in its last bit."""
     batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(20)]
     (l0, n0, p0, _), (l1, n1, p1, state) = runs(
         [gpt_engine(n, stage, offload) for offload in (None, "optimizer")], batches)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     np.testing.assert_allclose(n1, n0, rtol=1e-6)
-    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-6)
+    # Each leaf's distance from the reference against how far the reference moved in the 20
+    # steps (measured on two CPUs, all six runs: 1.9e-6 by L2, 2.1e-5 for the worst element
+    # against the leaf's largest move; a wrong update is off by 1e-3 or more)
+    start = runs.engines[0].params(runs.engines[0].init(jax.random.key(0), batches[0]))
+    for (path, a), b, s in zip(jax.tree.flatten_with_path(p1)[0], jax.tree.leaves(p0),
+                               jax.tree.leaves(start)):
+        a, b, s = (np.asarray(x, np.float64) for x in (a, b, s))
+        name = jax.tree_util.keystr(path)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b - s), name
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b - s).max(), name
     assert_placement(runs.engines[1], state)
     assert kinds(p1) == {DEVICE}  # engine.params reads the host master into device memory
 
@@ -666,7 +676,9 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     (l0, n0, p0, _), (l1, n1, p1, state) = offload_pair(model, adamw(), mesh, batches,
                                                         stage=stage, clip_norm=CLIP, **wire)
     np.testing.assert_allclose(l1, l0, rtol=1e-5)
-    np.testing.assert_allclose(n1, n0, rtol=1e-5)
+    # qgZ's norm is of the dequantized gradient: a block that rounds the other way moves it by
+    # a step of its own (measured 6.0e-5 on one CPU, under 1e-5 on another; losses 1.2e-7)
+    np.testing.assert_allclose(n1, n0, rtol=1e-5 if inside else 3e-4)
     # By their distance relative to how far the run moved the params: an element whose
     # quantized block rounds the other way moves by a step of its own (measured with qgZ: 4
     # of 2048 weights by 1.5e-5 after 6 steps), which an element-wise tolerance cannot tell

@@ -468,7 +468,8 @@ def test_estimate_command_with_offload(capsys):
 
 def test_delayed_update_host_bytes_are_the_engines_state():
     """The pending update's host bytes against an engine's state (the test preset on 8 devices,
-    where no leaf is padded): its float32 gradient shard, laid out as the master, is 4Ψ/N, and
+    where no leaf is padded): its gradient shard as it arrived, bf16 and laid out as the
+    master, is 2Ψ/N, and
     the rest of the host's bytes are plain offload's. Stage 3 reads the arrays an init placed,
     stages 1 and 2 the abstract state's shardings."""
     from test_measure import engine_offloads, tiny
@@ -497,12 +498,12 @@ def test_delayed_update_host_bytes_are_the_engines_state():
             # + the optimizer's step count (4 bytes) and the pending update's scalars (13)
             assert host[k] == pytest.approx(est.host, abs=17)
             if k is not None:
-                assert host_bytes(state.pending.grads) == est.pending == 4 * psi / 8
+                assert host_bytes(state.pending.grads) == est.pending == 2 * psi / 8
             if stage == 3 and k is not None:
                 real = eng.init(jax.random.key(0), batch)
                 assert state_bytes_split(eng, real, dev)[1] == host[k]
                 assert state_bytes_per_device(real.pending.grads, dev) == est.pending
-        assert host[0] - host[None] == 4 * psi / 8 + 13  # the pending gradient and scalars
+        assert host[0] - host[None] == 2 * psi / 8 + 13  # the pending gradient and scalars
 
 
 def test_estimate_with_twin_flow(capsys):
@@ -527,9 +528,10 @@ def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
     argv = ["--params", "7.5e9", "--devices", "64", "--offload", "optimizer"]
     assert estimate_main([*argv, "--delayed-update", "2", "--json"]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
-    assert [s["memory"]["host"] for s in stages] == [0, 1.875e9, 1.875e9, 1.875e9]  # 16Ψ/N
-    assert [s["memory"].get("pending", 0) for s in stages] == [0] + [0.46875e9] * 3
-    assert [s["memory"]["host_peak"] for s in stages[1:]] == [2.34375e9] * 3  # 20Ψ/N
+    # the pending bf16 gradient, 2Ψ/N, beside the 12Ψ/N of master and moments
+    assert [s["memory"]["host"] for s in stages] == [0, 1.640625e9, 1.640625e9, 1.640625e9]
+    assert [s["memory"].get("pending", 0) for s in stages] == [0] + [0.234375e9] * 3
+    assert [s["memory"]["host_peak"] for s in stages[1:]] == [2.109375e9] * 3  # 18Ψ/N
     assert stages[3]["memory"]["total"] == 0.46875e9 + 0.234375e9  # 4Ψ/N + the next 2Ψ/N
     assert estimate_main([*argv, "--delayed-update", "0"]) == 0
     assert "of which pending" in capsys.readouterr().out
@@ -540,10 +542,10 @@ def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.count("\n") == 1 and message in err
 
-    # One 80 GB device on a 125 GB host, the pinned-host pool at 110 GiB: without the delay
-    # offload reaches 7b (host peak 16Ψ = 107 GB); with it, 20Ψ: 7b's 134 GB is over the host
-    # (the pool holds only its 2Ψ gradient shard), gpt-4b's 85.6 GB fits, and its device peak
-    # gains its 2Ψ compute copy.
+    # One 80 GB device on a 125 GB host, the pinned-host pool at 110 GiB: offload reaches 7b
+    # without the delay (host peak 16Ψ = 107 GB) and with it (18Ψ = 121 GB: the pending bf16
+    # gradient is 2Ψ; the pool holds only the gradient shard on its way), and its device peak
+    # gains its 2Ψ compute copy; gpt3-13b fits neither memory.
     plan = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
             "--host-memory", "125GB", "--pinned-limit", "110GiB", "--json"]
     out = {}
@@ -552,13 +554,15 @@ def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
         out[k] = json.loads(capsys.readouterr().out)
     (plain,), (delayed,) = out[None]["largest"], out["2"]["largest"]
     assert (plain["offload"]["fits"]["name"], delayed["offload"]["fits"]["name"]) == ("7b",
-                                                                                     "gpt-4b")
+                                                                                     "7b")
     f, nx = delayed["offload"]["fits"], delayed["offload"]["next"]
     psi = f["num_params"]
-    assert (f["host"], f["host_peak"], f["pending"]) == (16 * psi, 20 * psi, 4 * psi)
-    assert nx["name"] == "7b" and nx["host_peak"] == 20 * nx["num_params"]
-    assert delayed["offload"]["binds"] == ["host"]
-    assert "--delayed-update 2: + the pending float32" in out["2"]["assumptions"]["offload"]
+    assert (f["host"], f["host_peak"], f["pending"]) == (14 * psi, 18 * psi, 2 * psi)
+    assert f["host_peak"] - plain["offload"]["fits"]["host_peak"] == 2 * psi
+    assert nx["name"] == "gpt3-13b" and nx["host_peak"] == 18 * nx["num_params"]
+    assert delayed["offload"]["binds"] == ["device", "host"]
+    assert "--delayed-update 2: + the pending gradient shard" in \
+        out["2"]["assumptions"]["offload"]
     assert delayed["fits"] == plain["fits"]  # the columns without offload do not change
     for bad, message in (([*plan[:4], "--model", "1b", "--delayed-update", "1"],
                           "add --largest"),

@@ -2,6 +2,7 @@
 found from the update's own jaxpr, each part in place, the numbers of the one program."""
 
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +135,50 @@ def test_the_parts_give_the_one_programs_numbers(in_parts, opt, cfg):
         for s, m in zip(shards, jax.tree.leaves(master), strict=True):
             np.testing.assert_array_equal(np.asarray(s), np.asarray(m).astype(s.dtype))
     assert sorted(off._order) == list(range(len(parted[2])))
+    # AdamW's parts hold no collective, so each ran from a thread of its own; Muon's gather
+    # their matrices to owner devices, so those ran in turn from the caller's thread
+    alone = off._side_by_side._alone  # the step's programs (donating) and this call's
+    assert len(alone) == 2 * len(eng.plan.update.parts(finite, [g.dtype for g in
+                                                                jax.tree.leaves(grads)]))
+    assert any(alone.values()) == (opt == "muon"), alone
+
+
+def test_programs_run_side_by_side_unless_they_wait_for_their_mesh():
+    """`SideBySide` dispatches each program from a thread of its own (the CPU backend runs one
+    thread's programs one after another), except a program of several devices holding a
+    collective, which runs from the caller's thread in turn: two of those side by side could
+    each hold the threads the other's devices wait for. The results come back in order."""
+    mesh = zj.make_mesh(data=2, devices=jax.devices()[:2])
+    spec = jax.sharding.PartitionSpec("data")
+    x = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, spec))
+    threads = []
+
+    class Recorded:  # the program, and the thread that called it
+        def __init__(self, fn):
+            self.fn, self.lower = fn, fn.lower
+
+        def __call__(self, *args):
+            threads.append((self, threading.current_thread()))
+            return self.fn(*args)
+
+    double = Recorded(jax.jit(lambda x: 2 * x))
+    local = Recorded(jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=spec,
+                                           out_specs=spec)))
+    summed = Recorded(jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+                                            in_specs=spec, out_specs=spec)))
+    run = parts_module.SideBySide()
+    for _ in range(2):  # the second time from what the first found
+        threads.clear()
+        out = run([(double, (x,), 1), (local, (x,), 2), (summed, (x,), 2), (double, (x,), 1)])
+        np.testing.assert_array_equal(out[0], 2 * np.arange(8.0))
+        np.testing.assert_array_equal(out[1], np.arange(8.0) + 1)
+        np.testing.assert_array_equal(out[2], np.tile(np.arange(4.0) + np.arange(4.0, 8), 2))
+        np.testing.assert_array_equal(out[3], out[0])
+        by = {id(fn): {t.name for f, t in threads if f is fn} for fn in (double, local, summed)}
+        assert by[id(summed)] == {threading.current_thread().name}
+        for fn in (double, local):
+            assert by[id(fn)] and all(t.startswith("zerojax-part") for t in by[id(fn)]), by
+    assert run._alone == {double: False, local: False, summed: True}
 
 
 def test_a_small_model_is_one_part():

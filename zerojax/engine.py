@@ -263,7 +263,7 @@ class Engine:
                     for m, leaf in zip(jax.tree.leaves(master), layout.leaves))
         return TrainState(jnp.zeros((), jnp.int32), master, self.plan.update.init(params), compute,
                           init_loss_scale(cfg.initial_scale), rng, _as_arrays(model_state),
-                          empty_pending(master) if self._delay else None)
+                          empty_pending(master, self.plan.reduced_dtype) if self._delay else None)
 
     def _init_state(self, key):
         return _as_arrays(self.model.init_state(key)) if hasattr(self.model, "init_state") \

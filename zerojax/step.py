@@ -71,6 +71,14 @@ class StepPlan:
         return DTYPES[self.config.grad_dtype]
 
     @property
+    def reduced_dtype(self):
+        """The dtype of the reduced gradient shard the update takes: float32 at stages 2-3 with
+        grad_accum > 1 (each micro-batch's reduced shard is summed in float32), else the
+        reduction dtype. A delayed update's pending gradient waits in it."""
+        cfg = self.config
+        return jnp.float32 if cfg.stage >= 2 and cfg.grad_accum > 1 else self.rdtype
+
+    @property
     def stores_compute(self) -> bool:
         return stores_compute(self.config.param_dtype, self.config.stage, self.config.offload)
 

@@ -48,7 +48,7 @@ class MemoryEstimate:
     host: float = 0.0  # offload: master and optimizer state in host memory, Ψ·K/N (+ pending)
     transfer: float = 0.0  # offload: gradient shard down + compute shard up, Ψ·(gb + pb)/N
     secondary: float = 0.0  # hpZ: the secondary copy while a step runs, Ψ·pb/D (in total)
-    # delayed_update: the pending float32 gradient shard, Ψ·4/N (in host); and the next
+    # delayed_update: the pending gradient shard, as it arrived, Ψ·gb/N (in host); and the next
     # step's compute shard, which comes up while the step runs on the one before, Ψ·pb/N (in
     # total, while a step runs)
     pending: float = 0.0
@@ -58,7 +58,7 @@ class MemoryEstimate:
     def host_peak(self) -> float:
         """Offload: the host's peak while the update runs in place: the state, the gradient
         shard that came down and the compute shard that goes up, Ψ·(K + gb + pb)/N (with the
-        delayed update: + the pending float32 gradient shard, Ψ·4/N)."""
+        delayed update: + the pending gradient shard, Ψ·gb/N)."""
         return self.host + self.transfer if self.host else 0.0
 
     @property
@@ -207,9 +207,10 @@ def estimate(
     before its reduce-scatter; stage 2: `2Ψ + 2Ψ/N`; stage 3: `4Ψ/N`), the host `12Ψ/N`.
 
     `delayed_update=K` (with offload; any K >= 0: the memory is the delayed phase's) adds the
-    pending update: its float32 gradient shard stays in host memory between steps (`pending`,
-    `4Ψ/N`, in `host`), and while a step runs on the compute params before the update the
-    next step's compute shard comes up beside them (`ahead`, `Ψ·pb/N`, in `total`).
+    pending update: its gradient shard stays in host memory between steps as it arrived
+    (`pending`, `Ψ·gb/N`, in `host`), and while a step runs on the compute params before the
+    update the next step's compute shard comes up beside them (`ahead`, `Ψ·pb/N`, in
+    `total`).
 
     `offload_fraction=f` (Twin-Flow) keeps only the share f of those host bytes (and of the
     transfer) on the host; the devices hold and update the rest (in `optimizer` and `total`).
@@ -242,7 +243,7 @@ def estimate(
                               secondary=secondary)
     # Each step the reduced gradient shard goes down and the updated compute shard comes up.
     transfer = psi * (grad_bytes + param_bytes) / n
-    pending = psi * MASTER_BYTES / n if delayed_update is not None else 0.0
+    pending = psi * grad_bytes / n if delayed_update is not None else 0.0
     ahead = psi * param_bytes / n if delayed_update is not None else 0.0
     f = offload_fraction
     kept = (1 - f) * (optimizer + pending)  # Twin-Flow's share, in device memory

@@ -68,8 +68,8 @@ def estimate_main(argv: list[str]) -> int:
                         "the baseline); adds host, host peak and host<->device columns")
     p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
                    help="with --offload: the delayed parameter update (train --delayed-update "
-                        "K): + its pending float32 gradient shard (4 bytes x Ψ/N) in host "
-                        "memory and the next compute shard on the device")
+                        "K): + its pending gradient shard (Ψ/N in the gradient's "
+                        "dtype) in host memory and the next compute shard on the device")
     p.add_argument("--offload-fraction", type=float, default=None, metavar="F",
                    help="with --offload: Twin-Flow (train --offload-fraction F): the host keeps "
                         "the share F of the offloaded bytes, the devices the rest")
@@ -150,8 +150,8 @@ def estimate_main(argv: list[str]) -> int:
                       "pinned-host pool holds the gradient shard on its way: "
                       f"{format_bytes(pinned_limit())} here, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
         if a.delayed_update is not None:
-            title += ("; --delayed-update: host and host peak include the pending float32 "
-                      "gradient shard (of which pending), total the next step's compute shard "
+            title += ("; --delayed-update: host and host peak include the pending gradient "
+                      "shard (of which pending), total the next step's compute shard "
                       "beside the one the step runs on")
         if fraction < 1:
             title += (f"; --offload-fraction {fraction:g}: the host keeps that share of the "

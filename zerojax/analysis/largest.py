@@ -131,7 +131,7 @@ class Fit:
     transfer: float = 0.0  # offload: host<->device bytes per step, per device
     optimizer_state_bytes: float = ADAM_BYTES  # per param, master excluded
     host_peak: float = 0.0  # offload: host + the update's gradient and compute shards
-    pending: float = 0.0  # delayed update: its float32 gradient shard, in `host`
+    pending: float = 0.0  # delayed update: its gradient shard, in `host`
     # offload: what XLA:GPU's pinned-host pool holds, the gradient shard on its way to the
     # host mesh (the state lives in the CPU backend's memory)
     pinned: float = 0.0
@@ -190,8 +190,8 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     device memory; `host_memory`, if given, must also hold each device's host peak
     (`Fit.host_peak`: the state and the in-place update's gradient and compute shards), and
     `pinned` (XLA:GPU's pinned-host pool) the gradient shard on its way there (`Fit.pinned`).
-    `delayed_update` (with `offload`) adds the pending update: its float32 gradient shard to
-    the host, the next compute shard to the device peak.
+    `delayed_update` (with `offload`) adds the pending update: its gradient shard to the
+    host, the next compute shard to the device peak.
     Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None, "binds": the
     memories the next larger shape does not fit (`Fit.over`)}. Arithmetic only.
     """
@@ -310,9 +310,9 @@ def largest_main(p, a) -> int:
                + (" (--pinned-limit)" if a.pinned_limit else
                   f" (${PINNED_LIMIT_ENV} GiB, else XLA's {PINNED_LIMIT_DEFAULT_GB} GiB)"))
             + "; each step the gradient shard goes down and the compute shard comes up"
-            + (f"; --delayed-update {delayed}: + the pending float32 gradient shard, 4 bytes x "
-               "Ψ/N, in host (and host peak), + the next step's compute shard, in the device "
-               "peak" if delayed is not None else "")
+            + (f"; --delayed-update {delayed}: + the pending gradient shard, Ψ/N in the "
+               "gradient's dtype, in host (and host peak), + the next step's compute shard, "
+               "in the device peak" if delayed is not None else "")
             + "; binds: the memories the next larger shape does not fit; Twin-Flow: the "
             f"least --offload-fraction (in steps of {TWIN_STEP}) whose devices' share of that "
             "host state fits beside the device peak in the memory budget, so the devices "

@@ -72,8 +72,8 @@ def plan_main(argv: list[str]) -> int:
                         "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, else XLA's 64 GiB)")
     p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
                    help="--largest: the offload columns with the delayed parameter update "
-                        "(train --delayed-update K): + its pending float32 gradient shard in "
-                        "host memory and the next compute shard on the device")
+                        "(train --delayed-update K): + its pending gradient shard in host "
+                        "memory and the next compute shard on the device")
     p.add_argument("--bandwidth", type=bandwidth_arg, default=None,
                    help="link bandwidth per device, e.g. 25GB/s, or per mesh axis "
                         "data=400GB/s,replica=25GB/s,model=900GB/s (model: default data's): "

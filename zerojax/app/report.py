@@ -125,7 +125,7 @@ def memory_rows(estimate: RunEstimate, measured: int,
             ("memory/host", f"{fmt(m.host)} estimated in host memory (offload) = float32 "
                             f"master {fmt(master)} + {estimate.held} "
                             f"{fmt(m.host - master - m.pending)}"
-                            + (f" + the pending float32 gradient {fmt(m.pending)} (delayed "
+                            + (f" + the pending gradient {fmt(m.pending)} (delayed "
                                f"update)" if m.pending else "")),
             ("", f"{fmt(measured - measured_host)} device + {fmt(measured_host)} host measured: "
                  f"this device's shards of the state"),

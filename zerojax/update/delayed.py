@@ -16,7 +16,8 @@ loss is the loss at the params it ran on; `engine.params`, `evaluate`, `optimize
 and checkpoints apply the pending update first.
 
 A pending update is stored as the step hands it to the optimizer: the summed, loss-scaled
-gradient shard (float32, in host memory, like the master), its divisor, the global norm (for
+gradient shard (as it arrived in host memory, in the reduction dtype: no program stores it, and
+its buffer takes the next update's compute-dtype shards), its divisor, the global norm (for
 clipping), the global loss (for `value=` optimizers) and `ok` (False: nothing pending, or
 the step was skipped by dynamic loss scaling, whose update is skipped as it would have
 been). A checkpoint holds the params with the pending update applied, and the compute
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 class Pending(NamedTuple):
     """The update a step left for the next one (N = size of "data")."""
 
-    grads: Any  # f32 per leaf like `master` {data}, on the host mesh: summed, scaled
+    grads: Any  # per leaf like `master` {data}, reduction dtype, on the host mesh: summed, scaled
     denom: jax.Array  # f32 [] {replicated}: divides `grads` into the mean gradient
     norm: jax.Array  # f32 [] {replicated}: the global norm of the mean gradient
     ok: jax.Array  # bool [] {replicated}: an update is pending (False: none, or skipped)
@@ -47,10 +48,11 @@ def pending_specs(master_specs) -> Pending:
     return Pending(master_specs, P(), P(), P(), P())
 
 
-def empty_pending(master) -> Pending:
-    """Nothing pending, for a state whose master is `master` (global view, inside jit)."""
+def empty_pending(master, dtype) -> Pending:
+    """Nothing pending, for a state whose master is `master` and whose gradient is reduced in
+    `dtype` (global view, inside jit)."""
     zero = jnp.zeros((), jnp.float32)
-    return Pending(jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), master),
+    return Pending(jax.tree.map(lambda m: jnp.zeros(m.shape, dtype), master),
                    jnp.ones((), jnp.float32), zero, jnp.zeros((), jnp.bool_), zero)
 
 

@@ -39,7 +39,7 @@ from zerojax.mesh import put_global
 from zerojax.step import _refresh, learning_rate, local_grads, settle
 from zerojax.update.delayed import Pending
 from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
-from zerojax.update.parts import device_share, runs
+from zerojax.update.parts import SideBySide, device_share, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -56,6 +56,7 @@ class HostOffload:
         self.k = engine.config.delayed_update
         self.fraction = engine.config.offload_fraction
         self._order: list[int] = []  # the params' order in the update's parts (`_parted`)
+        self._side_by_side = SideBySide()  # the host's parts, each from a thread of its own
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
 
     # ------------------------------------------------------------ placement
@@ -351,37 +352,17 @@ class HostOffload:
 
         return self._cached(("refresh", donate), build)
 
-    def _store_fn(self, on_device: bool):
-        """`(gradient leaves, ok) -> float32 leaves, zero where the step was skipped`: the
-        pending update's gradient of the host's leaves, or of Twin-Flow's (in the devices'
-        memory)."""
-        def build():
-            on = self.on_devices("master")
-            homes = [h for i, h in enumerate(jax.tree.leaves(
-                self.engine.state_shardings().pending.grads)) if (i in on) == on_device]
-
-            def store(grads, ok):
-                return [jnp.where(ok, g.astype(jnp.float32), 0.0) for g in grads]
-
-            return jax.jit(store, out_shardings=homes)
-
-        return self._cached(("store", on_device), build)
-
     def _store(self, grads, scalars) -> Pending:
         """The step's reduced gradient (on the host mesh; Twin-Flow's leaves on the devices')
-        as the pending update."""
+        as the pending update, as it arrived: a skipped step's (`ok` False) is never read, the
+        update's skip being a branch."""
         denom, norm, finite, value = self._host_scalars(scalars)
         ok = jax.device_put(jnp.ones((), jnp.bool_), NamedSharding(self.mesh, P())) \
             if finite is None else finite
-        leaves, on = jax.tree.leaves(grads), self.on_devices("master")
-        out = [None] * len(leaves)
-        for side, mesh in ((False, self.mesh), (True, self.engine.mesh)):
-            idx = [i for i in range(len(leaves)) if (i in on) == side]
-            if idx:
-                flag = jax.device_put(ok, NamedSharding(mesh, P()))
-                for i, x in zip(idx, self._store_fn(side)([leaves[i] for i in idx], flag)):
-                    out[i] = x
-        return Pending(jax.tree.unflatten(jax.tree.structure(grads), out), denom, norm, ok,
+        homes = jax.tree.leaves(self.engine.state_shardings().pending.grads)
+        leaves = [x if x.sharding == h else jax.device_put(x, h)
+                  for x, h in zip(jax.tree.leaves(grads), homes, strict=True)]
+        return Pending(jax.tree.unflatten(jax.tree.structure(grads), leaves), denom, norm, ok,
                        value)
 
     # ------------------------------------------------------------ running them
@@ -449,10 +430,9 @@ class HostOffload:
         return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
 
     def _parted(self, scalars, state, grads, donate: bool, same: bool):
-        """`_update` as its parts (parts.py), each a program dispatched in turn: Twin-Flow's
-        on the devices first, then the host's. On a GPU's host `up` sends each host part's
-        shards as soon as that part is done, while the later parts update (`_order`); on CPU
-        devices the parts cost what the one program did (docs/performance.md)."""
+        """`_update` as its parts (parts.py): Twin-Flow's on the devices first, then the host's,
+        side by side, each dispatched from a thread of its own (`SideBySide`). On a GPU's host
+        `up` sends each host part's shards as soon as that part is done (`_order`)."""
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
@@ -466,9 +446,12 @@ class HostOffload:
             mesh = self.engine.mesh
             here[True] = (tuple(x for x in self._host_scalars(scalars, mesh) if x is not None),
                           jax.device_put(shared, NamedSharding(mesh, P())))
-        for part, fn in parts:
-            m, o, s = fn(*here[part.on_device], [master[i] for i in part.params],
-                         [opt[j] for j in part.owned], [g[i] for i in part.params])
+        args = [(*here[part.on_device], [master[i] for i in part.params],
+                 [opt[j] for j in part.owned], [g[i] for i in part.params]) for part, _ in parts]
+        device = [fn(*a) for (part, fn), a in zip(parts, args) if part.on_device]
+        host = self._side_by_side([(fn, a, self.mesh.size) for (part, fn), a in zip(parts, args)
+                                   if not part.on_device])
+        for (part, _), (m, o, s) in zip(parts, device + host, strict=True):
             for i, a, b in zip(part.params, m, s, strict=True):
                 new_master[i], shards[i] = a, b
             for j, x in zip(sorted((*part.owned, *part.writes)), o, strict=True):

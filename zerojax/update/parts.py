@@ -12,14 +12,22 @@ every part and written by one. A part is then the jaxpr with the other parts' ou
 so it is the same equations and gives the same numbers.
 
 Offload runs the parts (host.py): each part is dispatched as its own program of the CPU
-backend, and on a GPU's host each part's shards start their way to the devices as soon as that
-part is done, while the later parts update. An optimizer that ties every leaf to every other,
-or a model of fewer than 2 x LEAST params, is one part: the one program, as before.
+backend, from a thread of its own (`SideBySide`), so the parts update side by side, and on a
+GPU's host each part's shards start their way to the devices as soon as that part is done. An
+optimizer that ties every leaf to every other, or a model of fewer than 2 x LEAST params, is
+one part: the one program, as before.
+
+Why threads: XLA:CPU splits an elementwise fusion that reads more bytes than it computes (an
+optimizer's update) into at most ceil(sqrt(cores)) tasks, 4 on a 16-core host, about a quarter
+of the host's copy bandwidth; and the CPU backend runs the programs one thread dispatches one
+after the other. Programs dispatched from different threads run at the same time
+(docs/performance.md has the figures).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public form in jax 0.10
@@ -191,6 +199,38 @@ def _grouping(closed, n, s, sharded):
         found.setdefault(find(a), []).append(a)
     order = sorted(found, key=lambda r: found[r][0])
     return found, order, find, writer
+
+
+# Ops of a lowered program that wait for every device of its mesh: two such programs run side
+# by side could each hold the threads the other's devices wait for.
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "collective_permute",
+               "reduce_scatter", "collective_broadcast")
+
+
+class SideBySide:
+    """Calls programs each from a thread of its own, so the CPU backend runs them at the same
+    time; a program of several devices that holds a collective is called from the caller's
+    thread, in turn (`COLLECTIVES`). Gives the calls' results in order; each call only
+    dispatches, as a call from the caller's thread would."""
+
+    def __init__(self, workers: int = PARTS):
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._alone: dict = {}  # program -> whether it waits for its mesh's devices
+
+    def __call__(self, calls: list[tuple]) -> list:
+        """`calls`: [(jitted fn, args, its mesh's size)], each fn called with args of the
+        same shapes every time."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zerojax-part")
+        out = [None] * len(calls)
+        for k, (fn, args, devices) in enumerate(calls):
+            if fn not in self._alone:
+                self._alone[fn] = devices > 1 and any(
+                    f"stablehlo.{op}" in fn.lower(*args).as_text() for op in COLLECTIVES)
+            out[k] = fn(*args) if self._alone[fn] or len(calls) == 1 else \
+                self._pool.submit(fn, *args)
+        return [x.result() if isinstance(x, Future) else x for x in out]
 
 
 def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> frozenset[int]:
