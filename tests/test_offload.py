@@ -516,6 +516,11 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate, delayed):
         # branch's result)
         assert all(len(in_place[i]) == (3 if delayed else 2) for i in big), in_place
         assert all(in_place[i][-1].startswith("conditional") == delayed for i in big)
+        # and no float32 gradient beside them: the branch scales the gradient where it reads
+        # it (scaled before the branch, it was a buffer of 4 bytes a param: a third of the
+        # 12 of the state)
+        temp, state = compiled.memory_analysis().temp_size_in_bytes, 12 * (1 << 12) / 2
+        assert temp <= 0.02 * state, temp
     else:
         assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
 

@@ -77,25 +77,29 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
     `reduced`: (summed gradients, their divisor, the global norm, the finite flag of dynamic
     loss scaling or None, the global loss)."""
     grads, denom, norm, finite, value = reduced
-    if how.out_dtype is not None:
-        # Offloaded: one scale a gradient element, multiplied where it is read. XLA keeps a
-        # divide's result in a buffer of its own when several fusions read it (the moments',
-        # the master's): a float32 gradient beside the host state.
-        scale = 1 / denom
-        if how.clip_norm is not None:
-            c = jnp.float32(how.clip_norm)
-            scale = jnp.where(norm < c, scale, scale / norm * c)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
-    else:
+
+    def scaled(grads):  # traced where the update reads them: inside a skip's branch
+        if how.out_dtype is not None:
+            # Offloaded: one scale a gradient element, multiplied where it is read. XLA keeps
+            # a divide's result in a buffer of its own when several fusions read it (the
+            # moments', the master's): a float32 gradient beside the host state; so would a
+            # gradient scaled outside the branch that reads it.
+            scale = 1 / denom
+            if how.clip_norm is not None:
+                c = jnp.float32(how.clip_norm)
+                scale = jnp.where(norm < c, scale, scale / norm * c)
+            return jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
         if how.clip_norm is not None:
             c = jnp.float32(how.clip_norm)
             # Same arithmetic as optax.clip_by_global_norm, on the true global norm.
             grads = jax.tree.map(lambda g: jnp.where(norm < c, g, g / norm * c), grads)
+        return grads
+
     kw = {"value": value} if how.extra else {}
 
     def update(master, opt_state):
-        updates, new_opt = optimizer.update(grads, opt_state, master, **kw)
+        updates, new_opt = optimizer.update(scaled(grads), opt_state, master, **kw)
         return optax.apply_updates(master, updates), new_opt
 
     keys = any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
