@@ -125,6 +125,31 @@ def test_offload_matches_single_device_optax(stage, n):
     assert per_unit(eng.plan)
 
 
+@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_stage_3_computes_on_the_shards_that_came_up(monkeypatch, stage):
+    """At stage 3 the compute params are the compute-dtype shards the host's update sent up,
+    as they arrived: no refresh program runs (it would cast them to the dtype they have and
+    copy the params), in a step, a delayed step or evaluate. Stages 1-2 gather them."""
+    from zerojax.update.host import HostOffload
+
+    calls = []
+    refresh = HostOffload._refresh_fn
+    monkeypatch.setattr(HostOffload, "_refresh_fn",
+                        lambda self, donate: calls.append(donate) or refresh(self, donate))
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(3)]
+    eng = zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=2, devices=jax.devices()[:2]),
+                    zj.ZeroConfig(stage=stage, offload="optimizer", delayed_update=1))
+    state = eng.init(jax.random.key(0), batches[0])
+    for b in batches:
+        state, _ = eng.step(state, b)
+    eng.evaluate(state, batches[0])
+    assert bool(calls) == (stage != 3)
+    if stage == 3:  # the master the last update gave, in the compute dtype
+        for c, m in zip(jax.tree.leaves(state.compute), jax.tree.leaves(state.master),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(c), np.asarray(m).astype(c.dtype))
+
+
 def test_model_state_stays_on_device_and_evaluate_reads_it():
     mesh = zj.make_mesh(data=4)
     (l0, _, p0, s0), (l1, _, p1, s1) = offload_pair(

@@ -176,8 +176,7 @@ class HostOffload:
         for side in ([i for i in range(len(master)) if i not in on], sorted(on)):
             for i, x in zip(side, cast([master[i] for i in side]) if side else []):
                 shards[i] = x  # on the mesh its master leaf lives on
-        compute = self._refresh_fn(True)(self.up(shards), state.compute)
-        return state._replace(compute=compute)
+        return state._replace(compute=self._compute_of(self.up(shards), state.compute))
 
     def from_logical(self, build, tree, loss_scale: bool, owned: bool):
         """The state `build(tree)` makes from a logical tree, each part by a program of the
@@ -352,6 +351,18 @@ class HostOffload:
 
         return self._cached(("refresh", donate), build)
 
+    def _compute_of(self, shards, old, donate: bool = True):
+        """The compute params from the compute-dtype shards on the devices' mesh: at stage 3
+        the shards themselves (the refresh there is a cast to the dtype they have: one
+        program and a copy of the params a step, for nothing), else the refresh (an
+        all_gather per layer into `old`, donated)."""
+        eng = self.engine
+        if eng.config.stage != 3:
+            return self._refresh_fn(donate)(shards, old)
+        homes = jax.tree.leaves(eng.state_shardings().compute)
+        return eng.layout.unflatten(x if x.sharding == h else jax.device_put(x, h)
+                                    for x, h in zip(shards, homes, strict=True))
+
     def _store(self, grads, scalars) -> Pending:
         """The step's reduced gradient (on the host mesh; Twin-Flow's leaves on the devices')
         as the pending update, as it arrived: a skipped step's (`ok` False) is never read, the
@@ -472,7 +483,7 @@ class HostOffload:
     def applied_compute(self, state):
         """The compute params with the pending update applied (for evaluate)."""
         shards = self.up(self.applied(state)[2])
-        return self._refresh_fn(False)(shards, state.compute)
+        return self._compute_of(shards, state.compute, donate=False)
 
     def settled(self, state):
         """`state` with the pending update applied to its master and optimizer state, its
@@ -511,7 +522,7 @@ class HostOffload:
         else:
             master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
             pending = state.pending
-        compute = self._refresh_fn(True)(self.up(shards), state.compute)
+        compute = self._compute_of(self.up(shards), state.compute)
         metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))
         new = new._replace(master=master, opt_state=opt_state, compute=compute, pending=pending)
         if self.k is not None:
