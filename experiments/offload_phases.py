@@ -4,10 +4,12 @@ delayed update and plain moves of `--move-gb` between the two backends.
 
 A step of `ZeroConfig(offload="optimizer")` is: the devices' gradients program, the
 gradient's move to the host mesh, the host's update, the compute-dtype shards' move back, and
-the refresh. Run one by one here, their times say which one binds; the step's own time says
-how much of them overlaps (the update runs as parts, update/parts.py, each part's shards sent
-while the later parts update). The moves are timed both ways jax can make them between two
-backends: a sharded `device_put`, and shard by shard (`offload.across`, what the engine uses).
+the compute params made of them (at stage 3 the shards themselves, no program; it also says
+which of the devices' memories the shards came up into). Run one by one here, their times say
+which one binds; the step's own time says how much of them overlaps (the update runs as parts,
+update/parts.py, side by side, each part's shards sent as it is done). The moves are timed
+both ways jax can make them between two backends: a sharded `device_put`, and shard by shard
+(`offload.across`, what the engine uses).
 Last, the offloaded run's params against the run without offload on a small preset, so a
 wrong move or a wrongly aliased buffer between the backends shows as a number.
 
@@ -92,12 +94,16 @@ def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
         t["host update"], (master, opt_state, shards, _) = clock(
             h._update, (grads, *scalars), state, True)
         t["shards to the devices"], shards = clock(h.up, shards)
-        t["refresh"], compute = clock(h._refresh_fn(True), shards, state.compute)
+        out["shard memory"] = sorted({str(p.data.sharding.memory_kind) for x in shards
+                                      for p in x.addressable_shards})
+        # stage 3: the shards themselves (no program); stages 1-2: the refresh's gathers
+        t["compute params"], compute = clock(h._compute_of, shards, state.compute)
         state = new._replace(master=master, opt_state=opt_state, compute=compute,
                              pending=state.pending)
         for k, v in t.items():
             out.setdefault(k, []).append(v)
-    return {k: statistics.median(v) for k, v in out.items()}, state
+    kinds = out.pop("shard memory")
+    return {k: statistics.median(v) for k, v in out.items()}, kinds, state
 
 
 def parity(preset: str = "test", steps: int = 4) -> float:
@@ -154,7 +160,7 @@ def main(argv=None) -> dict:
     res = {"device": jax.devices()[0].device_kind, "preset": args.preset, "batch": args.batch}
     eng, state, batch = engine(args.preset, args.batch, None)
     state, _ = eng.step(state, batch)  # compiled and warm
-    res["phases_s"], state = phases(eng, state, batch, args.steps)
+    res["phases_s"], res["shard_memory"], state = phases(eng, state, batch, args.steps)
     res["update_parts"] = len(eng.plan.update.parts(False, [eng.plan.rdtype] * len(
         eng.layout.leaves)))
     for _ in range(args.steps):  # each step donates the state: stepped on, not repeated
@@ -179,6 +185,7 @@ def main(argv=None) -> dict:
     print(f"  {'sum of the phases':<28}{1e3 * sum(res['phases_s'].values()):>9.1f}"
           f"  (the update in {res['update_parts']} parts: the step sends each part's shards "
           f"as it is done)")
+    print(f"  (the shards came up into the devices' {', '.join(res['shard_memory'])} memory)")
     print(f"  {'the step':<28}{1e3 * res['step_s']:>9.1f}")
     print(f"  {'the delayed step':<28}{1e3 * res['delayed_step_s']:>9.1f}")
     gb = res["moves"]["bytes"] / 1e9

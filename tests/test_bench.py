@@ -496,7 +496,8 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     import offload_phases
 
     eng, state, batch = offload_phases.engine("test", 2, None)
-    _, state = offload_phases.phases(eng, state, batch, 2)
+    _, kinds, state = offload_phases.phases(eng, state, batch, 2)
+    assert kinds == ["device"]  # where the shards came up: the devices' own memory
     ref, ref_state, _ = offload_phases.engine("test", 2, None)
     for _ in range(2):
         ref_state, _ = ref.step(ref_state, batch)
@@ -504,7 +505,7 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     res = offload_phases.main(["--preset", "test", "--batch", "2", "--steps", "1",
                                "--move-gb", "0.001", "--out", str(tmp_path / "p.json")])
     assert set(res["phases_s"]) == {"gradients program", "gradient to the host mesh",
-                                    "host update", "shards to the devices", "refresh"}
+                                    "host update", "shards to the devices", "compute params"}
     assert all(v > 0 for v in res["phases_s"].values())
     assert res["step_s"] > 0 and res["delayed_step_s"] > 0
     assert len(res["moves"]["seconds"]) == 4 and res["moves"]["bytes"] == 4 * 250_000
