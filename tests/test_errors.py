@@ -208,6 +208,13 @@ def test_a_state_must_be_a_live_state_of_this_engine(tmp_path):
     with pytest.raises(zj.StateError, match=r"state is on devices \[0\], this engine's mesh "
                                             r"on \[0, 1\]: a state of another mesh"):
         e.step(fewer.init(jax.random.key(0), batch), batch)
+    delayed = seed_engine(param_dtype="bfloat16", offload="optimizer", delayed_update=0)
+    pending = delayed.init(jax.random.key(0), batch)  # a field whose leaves are nested
+    pending = pending._replace(pending=pending.pending._replace(grads=jax.tree.map(
+        lambda g: g.astype(jnp.float32), pending.pending.grads)))
+    with pytest.raises(zj.StateError, match=r"state.pending.grads\['layer1'\]\['w'\] is "
+                                            r"float32\(2,\), this engine's bfloat16\(2,\)"):
+        delayed.params(pending)
     new, _ = e.step(state, batch)
     with pytest.raises(zj.StateError, match=r"state.step was donated to an earlier engine.step "
                                             r"\(its buffers are deleted\); pass the state that "

@@ -83,9 +83,10 @@ def check_state(engine, state) -> None:
     got = {jax.tree_util.keystr(p): _aval(x) for p, x in flat}
     want = {k: f"{_dtype_name(d)}{shape}" for k, (shape, d) in want.items()}
     diffs = []
+    field_of = lambda k: k[1:].split("[")[0].split(".")[0]  # ".pending.grads['w']": pending
     for field in type(state)._fields:  # the first difference of each field
-        mine = {k: v for k, v in want.items() if k.split("[")[0] == f".{field}"}
-        theirs = {k: v for k, v in got.items() if k.split("[")[0] == f".{field}"}
+        mine = {k: v for k, v in want.items() if field_of(k) == field}
+        theirs = {k: v for k, v in got.items() if field_of(k) == field}
         if len(mine) != len(theirs):
             diffs.append(f"state.{field} holds {len(theirs) or 'no'} arrays, this engine's "
                          f"{len(mine) or 'none'}")
