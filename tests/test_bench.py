@@ -507,6 +507,9 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     assert set(res["phases_s"]) == {"gradients program", "gradient to the host mesh",
                                     "host update", "shards to the devices", "compute params"}
     assert all(v > 0 for v in res["phases_s"].values())
+    assert set(res["together_s"]) == {"gradients, beside the update",
+                                      "update, beside the gradients"}
+    assert all(v > 0 for v in res["together_s"].values())
     assert res["step_s"] > 0 and res["delayed_step_s"] > 0
     assert len(res["moves"]["seconds"]) == 4 and res["moves"]["bytes"] == 4 * 250_000
     assert json.loads((tmp_path / "p.json").read_text())["preset"] == "test"
