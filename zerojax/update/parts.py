@@ -210,8 +210,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "collective_permute",
 class SideBySide:
     """Calls programs each from a thread of its own, so the CPU backend runs them at the same
     time; a program of several devices that holds a collective is called from the caller's
-    thread, in turn (`COLLECTIVES`). Gives the calls' results in order; each call only
-    dispatches, as a call from the caller's thread would."""
+    thread, in turn (`COLLECTIVES`), and so is each program's first call (it traces and
+    compiles under the caller's jax context, and its errors are the caller's). Gives the
+    calls' results in order; each call only dispatches, as a call from the caller's thread
+    would."""
 
     def __init__(self, workers: int = PARTS):
         self.workers = workers
@@ -225,10 +227,11 @@ class SideBySide:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zerojax-part")
         out = [None] * len(calls)
         for k, (fn, args, devices) in enumerate(calls):
-            if fn not in self._alone:
+            first = fn not in self._alone
+            if first:
                 self._alone[fn] = devices > 1 and any(
                     f"stablehlo.{op}" in fn.lower(*args).as_text() for op in COLLECTIVES)
-            out[k] = fn(*args) if self._alone[fn] or len(calls) == 1 else \
+            out[k] = fn(*args) if first or self._alone[fn] or len(calls) == 1 else \
                 self._pool.submit(fn, *args)
         return [x.result() if isinstance(x, Future) else x for x in out]
 
