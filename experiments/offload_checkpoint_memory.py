@@ -76,9 +76,13 @@ def fix_mmap_threshold(nbytes: int) -> None:
 
 
 def host_array_bytes() -> int:
-    """Bytes of the live arrays in host memory (the CPU backend's)."""
-    return sum(x.nbytes for x in jax.live_arrays()
-               if all(d.platform == "cpu" for d in x.sharding.device_set))
+    """Bytes of the live arrays in host memory: the CPU backend's (on a CPU-only machine, all
+    of them), and an accelerator's in its pinned host memory."""
+    cpu = sum(x.nbytes for x in jax.live_arrays("cpu"))
+    if jax.default_backend() == "cpu":
+        return cpu
+    return cpu + sum(x.nbytes for x in jax.live_arrays()
+                     if x.sharding.memory_kind == "pinned_host")
 
 
 def resident() -> int:
