@@ -134,7 +134,7 @@ def test_the_devices_share_of_the_gradient_never_leaves_them(stage):
     pinned host memory: the devices' update reads its gradient where the backward made it."""
     eng = zj.Engine(Stack(), optax.adam(1e-2), zj.make_mesh(data=2, devices=jax.devices()[:2]),
                     zj.ZeroConfig(stage=stage, param_dtype="bfloat16", offload="optimizer",
-                                  offload_fraction=0.5))
+                                  offload_fraction=0.9))  # b, 24 of the 232 params
     eng.init(jax.random.key(0), STACK_BATCH)
     assert per_unit(eng.plan)
     kept = eng._offload.on_devices("master")

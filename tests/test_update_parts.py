@@ -242,12 +242,24 @@ def test_a_run_in_parts_on_a_host_mesh_apart(monkeypatch, tmp_path):
 
 
 def test_twin_flows_share_is_whole_groups_and_leaves_the_host_some():
-    """`device_share`: whole groups from the first, as close to 1 - fraction of the params as
-    groups allow; the last group stays on the host however small the fraction."""
+    """`device_share`: whole groups, the largest first, each where it brings the devices'
+    share nearer 1 - fraction of the params; the smallest group stays on the host however
+    small the fraction. Equal groups go in order."""
     found, sizes = [[0], [1, 2], [3]], [10, 5, 5, 10]
     share = parts_module.device_share
     assert share(found, sizes, 1.0) == frozenset()
     assert share(found, sizes, 0.5) == {0}  # 10 of 30 on the devices, as near 15 as 20 is
     assert share(found, sizes, 0.3) == {0, 1, 2}  # 20: the nearest to 21
-    assert share(found, sizes, 0.01) == {0, 1, 2}  # never the last group
+    assert share(found, sizes, 0.01) == {0, 1, 2}  # never the last (smallest) group
     assert share([[0, 1, 2, 3]], sizes, 0.01) == frozenset()
+    # The 1b preset's groups (AdamW: one a leaf; M params): the devices take both MLP kernels,
+    # which go past qkv's and the tables for a nearer share, and the host keeps qkv (226 M)
+    # as its largest, where from the first on it kept an MLP kernel (302 M)
+    names = ["out.b", "out.k", "qkv.b", "qkv.k", "ln1.b", "ln1.s", "ln2.b", "ln2.s", "fc.b",
+             "fc.k", "mlp.b", "mlp.k", "pos", "tok", "head", "ln.b", "ln.s"]
+    m = [0.037, 75.5, 0.111, 226.5, 0.037, 0.037, 0.037, 0.037, 0.147, 302.0, 0.037, 302.0,
+         4.19, 65.5, 65.5, 0.002, 0.002]
+    device = share([[i] for i in range(len(m))], m, 0.4)
+    assert {"fc.k", "mlp.k", "pos"} <= {names[i] for i in device}
+    host = [m[i] for i in range(len(m)) if i not in device]
+    assert max(host) == 226.5 and abs(sum(m) - sum(host) - 0.6 * sum(m)) < 20

@@ -237,16 +237,19 @@ class SideBySide:
 
 
 def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> frozenset[int]:
-    """Twin-Flow's choice: the params updated on the devices, whole groups from the first on,
-    as close as groups allow to `1 - fraction` of the params (`fraction`: the host's share),
-    the last group always the host's (`fraction` > 0: the host keeps something)."""
+    """Twin-Flow's choice: the params updated on the devices, whole groups, the largest first,
+    each taken where it brings the devices' share nearer `1 - fraction` of the params
+    (`fraction`: the host's share); the smallest group (the last of equals) always the host's
+    (`fraction` > 0: the host keeps something). The largest first because XLA:CPU updates one
+    leaf with at most ceil(sqrt(cores)) threads: the host's update is bound by its largest
+    leaf, while its many smaller ones run side by side (`SideBySide`)."""
+    size = lambda g: sum(sizes[i] for i in g)
+    by_size = sorted(range(len(found)), key=lambda k: (-size(found[k]), k))
     want, chosen, have = (1 - fraction) * sum(sizes), [], 0
-    for g in found[:-1]:
-        size = sum(sizes[i] for i in g)
-        if abs(have + size - want) >= abs(have - want):
-            break
-        chosen += g
-        have += size
+    for k in by_size[:-1]:
+        if abs(have + size(found[k]) - want) < abs(have - want):
+            chosen += found[k]
+            have += size(found[k])
     return frozenset(chosen)
 
 
