@@ -359,9 +359,9 @@ class HostOffload:
         eng = self.engine
         if eng.config.stage != 3:
             return self._refresh_fn(donate)(shards, old)
-        homes = jax.tree.leaves(eng.state_shardings().compute)
-        return eng.layout.unflatten(x if x.sharding == h else jax.device_put(x, h)
-                                    for x, h in zip(shards, homes, strict=True))
+        # (a no-op where a shard is on its home already: device_put returns it)
+        return eng.layout.unflatten(jax.device_put(list(shards),
+                                                   jax.tree.leaves(eng.state_shardings().compute)))
 
     def _store(self, grads, scalars) -> Pending:
         """The step's reduced gradient (on the host mesh; Twin-Flow's leaves on the devices')
@@ -371,8 +371,7 @@ class HostOffload:
         ok = jax.device_put(jnp.ones((), jnp.bool_), NamedSharding(self.mesh, P())) \
             if finite is None else finite
         homes = jax.tree.leaves(self.engine.state_shardings().pending.grads)
-        leaves = [x if x.sharding == h else jax.device_put(x, h)
-                  for x, h in zip(jax.tree.leaves(grads), homes, strict=True)]
+        leaves = jax.device_put(jax.tree.leaves(grads), homes)  # each where it is, as a rule
         return Pending(jax.tree.unflatten(jax.tree.structure(grads), leaves), denom, norm, ok,
                        value)
 
