@@ -301,17 +301,19 @@ def test_bad_delayed_update_is_one_config_error(cfg, match):
     assert zj.ZeroConfig(stage=2, offload="optimizer", delayed_update=0).delayed_update == 0
 
 
-@pytest.mark.parametrize("stage, accum", [(3, 1), (1, 2), (3, 2)])
-def test_the_pending_gradient_waits_as_it_arrived(stage, accum):
+@pytest.mark.parametrize("stage, accum, cfg", [
+    (3, 1, {}), (1, 2, {}), (3, 2, {}),
+    pytest.param(2, 1, {"quantize_grads": "int8"}, marks=pytest.mark.slow)])
+def test_the_pending_gradient_waits_as_it_arrived(stage, accum, cfg):
     """No program stores the pending gradient: it is the reduced shard as the gradients
     program gave it, in `plan.reduced_dtype` (bf16 here; float32 where stages 2-3 sum their
-    micro-batches' shards), which is what init's empty pending update holds, so a state keeps
-    its dtypes from step to step."""
+    micro-batches' shards, or qgZ sums dequantized pieces), which is what init's empty pending
+    update holds, so a state keeps its dtypes from step to step."""
     batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
     eng = zj.Engine(SeedMLP(), optax.adam(0.1), zj.make_mesh(data=2, devices=jax.devices()[:2]),
                     zj.ZeroConfig(stage=stage, param_dtype="bfloat16", grad_accum=accum,
-                                  offload="optimizer", delayed_update=0))
-    want = np.dtype(jnp.float32 if stage >= 2 and accum > 1 else jnp.bfloat16)
+                                  offload="optimizer", delayed_update=0, **cfg))
+    want = np.dtype(jnp.float32 if (stage >= 2 and accum > 1) or cfg else jnp.bfloat16)
     state = eng.init(jax.random.key(0), batch)
     assert eng.plan.reduced_dtype == want
     assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}
