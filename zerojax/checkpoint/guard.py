@@ -14,6 +14,7 @@ import resource
 import shutil
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -170,6 +171,15 @@ def _quiet_closed_loops() -> None:
     sys.unraisablehook = hook
 
 
+def _quiet_abandoned_writes() -> None:
+    """After a failed write, orbax's event loop may close with some of the step's fragment
+    writes not yet started; each such coroutine warns "was never awaited" when it is collected,
+    which may be as Python shuts down, after the one line that reported the failure. Those
+    (and only those) are dropped; installed once a write has failed."""
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            message=r"coroutine '[\w.<>]*write_fragment' was never awaited")
+
+
 # orbax's threads that write a step's items: once one fails, the others may still be writing.
 _WRITERS = ("array_type_handler", "serialize_shardings", "write_metadata_after_commits",
             "json_ch_save", "save_finalize")
@@ -202,6 +212,7 @@ def writing(path: Path, step: int | None = None):
         code = write_errno(e)
         if code is None:
             raise
+        _quiet_abandoned_writes()
         _remove_partial(path, step)
         what = f"step {step}" if step is not None else "a checkpoint step"
         damage = (f"cannot write {what} to {path}: {why_not_written(code, path)}; the steps "
