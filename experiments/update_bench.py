@@ -8,12 +8,20 @@ of `params` elements, the master and optimizer state donated, as the step donate
 per step: the gradient shard, master and optimizer state read, master and optimizer state and
 the compute-dtype shard written.
 
+`--host-devices K ...` also times the same update with its state split over K CPU devices (one
+program, a partition on each): XLA:CPU gives one memory-bound fusion at most ceil(sqrt(cores))
+threads, so one device's update of a large leaf runs on a few cores however many the host has,
+while K partitions run at once. What a host mesh of several CPU devices per accelerator would
+gain, measured before it is built (docs/performance.md).
+
     .venv/bin/python experiments/update_bench.py --params 50e6
+    .venv/bin/python experiments/update_bench.py --params 302e6 --host-devices 1 2 4 8
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -53,12 +61,15 @@ class FlatModel:
 BATCH = {"x": np.ones((2, 8), np.float32)}
 
 
-def offload_engine(size: int, optimizer, param_dtype: str = "bfloat16") -> tuple:
-    """An initialised stage-3 offload engine over one device and its state (`eng.init(key,
-    BATCH)` gives another)."""
-    eng = zj.Engine(FlatModel(size), optimizer, zj.make_mesh(data=1, devices=jax.devices()[:1]),
+def offload_engine(size: int, optimizer, param_dtype: str = "bfloat16", devices=None) -> tuple:
+    """An initialised stage-3 offload engine and its state (`eng.init(key, BATCH)` gives
+    another): over the default backend's first device, or over `devices` (CPU devices: the
+    host mesh is that mesh itself, the update one program over them)."""
+    devices = jax.devices()[:1] if devices is None else devices
+    eng = zj.Engine(FlatModel(size), optimizer, zj.make_mesh(data=len(devices), devices=devices),
                     zj.ZeroConfig(stage=3, offload="optimizer", param_dtype=param_dtype))
-    return eng, eng.init(jax.random.key(0), BATCH)
+    batch = {"x": np.ones((2 * len(devices), 8), np.float32)}  # rows for each device
+    return eng, eng.init(jax.random.key(0), batch)
 
 
 def update_fn(eng, donate: bool = True):
@@ -138,16 +149,24 @@ def copy_timer(nbytes: int, threads: int, pool: ThreadPoolExecutor):
     return run
 
 
-def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bfloat16") -> dict:
+def gradient_of(eng, state):
+    """A gradient shard for `state`'s master: the compute dtype, on the host mesh."""
+    dtype = DTYPES[eng.config.param_dtype]
+    return jax.device_put(jax.tree.map(lambda m: jnp.full(m.shape, 1e-3, dtype), state.master),
+                          jax.tree.map(lambda m: m.sharding, state.master))
+
+
+def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bfloat16",
+            host_devices=()) -> dict:
     """The offloaded AdamW update of `params` elements (donated, and not; and the same AdamW
-    as a donated program of the CPU backend) against a one-thread and an all-core `np.copyto`
-    of the same bytes (read + written), in this process. Round-robin: each repeat times every
-    one once, so load drift on a shared machine hits all alike; medians over the repeats."""
+    as a donated program of the CPU backend; and donated with its state over K CPU devices
+    for each K of `host_devices`) against a one-thread and an all-core `np.copyto` of the same
+    bytes (read + written), in this process. Round-robin: each repeat times every one once, so
+    load drift on a shared machine hits all alike; medians over the repeats."""
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
     eng, state = offload_engine(params, optimizer, param_dtype)
     dtype = DTYPES[param_dtype]
-    grads = jax.device_put(jax.tree.map(lambda m: jnp.full(m.shape, 1e-3, dtype), state.master),
-                           jax.tree.map(lambda m: m.sharding, state.master))
+    grads = gradient_of(eng, state)
     moved = state_bytes(eng, state, grads)
     cores = os.cpu_count() or 1
     pool = ThreadPoolExecutor(cores)
@@ -161,6 +180,17 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
         updates["donated" if d else "not donated"] = Threaded(
             lambda m, o, fn=fn: fn(m, o, grads), state.master, state.opt_state)
     updates["CPU-backend program"] = cpu_backend_timer(params, optimizer, dtype)
+    bytes_of = dict.fromkeys(updates, moved)
+    cpus = jax.devices("cpu")
+    for k in host_devices:
+        if k > len(cpus):
+            raise SystemExit(f"--host-devices {k}: jax has {len(cpus)} CPU devices here")
+        e, s = offload_engine(params, optimizer, param_dtype, cpus[:k])
+        g = gradient_of(e, s)
+        name = f"over {k} CPU device{'s' if k > 1 else ''}"
+        fn = update_fn(e)
+        updates[name] = Threaded(lambda m, o, fn=fn, g=g: fn(m, o, g), s.master, s.opt_state)
+        bytes_of[name] = state_bytes(e, s, g)  # the flat leaf padded to a multiple of k
     timers = {**{("copy", k): v for k, v in copies.items()},
               **{("update", k): v for k, v in updates.items()}}
     times = {k: [] for k in timers}
@@ -175,8 +205,10 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
     best = max(copy.values())
     return {"params": params, "bytes_per_update": moved, "cores": cores, "repeats": repeats,
             "copy_bytes_per_s": copy,
-            "update": {k: {"median_s": med["update", k], "bytes_per_s": moved / med["update", k],
-                           "ratio_to_copy": moved / med["update", k] / best} for k in updates}}
+            "update": {k: {"median_s": med["update", k],
+                           "bytes_per_s": bytes_of[k] / med["update", k],
+                           "ratio_to_copy": bytes_of[k] / med["update", k] / best}
+                       for k in updates}}
 
 
 def table(res: dict) -> str:
@@ -192,14 +224,28 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=50e6, help="elements of the update's shard")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
-    a = p.parse_args(argv)
-    res = measure(int(a.params), a.repeats, param_dtype=a.param_dtype)
+    p.add_argument("--host-devices", type=int, nargs="+", default=[], metavar="K",
+                   help="also time the update with its state over K CPU devices (jax is "
+                        "started with as many CPU devices as the largest K)")
+    p.add_argument("--out", type=Path, help="write the results here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.host_devices:  # before jax starts its backends
+        jax.config.update("jax_num_cpu_devices", max(a.host_devices))
+    res = measure(int(a.params), a.repeats, param_dtype=a.param_dtype,
+                  host_devices=a.host_devices)
     print(table(res))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1))
     return res
 
 

@@ -2,7 +2,8 @@
 # Offload's GPU checks as one prepared command for a lent device: the step of plain optax,
 # offload, offload with the delayed update and Twin-Flow (0.4 of the state on the host), with
 # and without the delay, on the 1b preset; the largest GPT that steps with offload against
-# `plan --largest`'s prediction; where an offloaded step's time goes; the host and device
+# `plan --largest`'s prediction; where an offloaded step's time goes; the host update of the
+# 1b preset's largest leaf with its state over 1, 2, 4 and 8 CPU devices; the host and device
 # memory of a save and a restore; a resume's (a restore in a fresh process), with glibc's
 # malloc as it is and with its mmap threshold fixed at 16 MiB. The parts run in that order,
 # most important first, each under its own time limit and all within --budget seconds: a part
@@ -12,11 +13,11 @@
 #
 #   usage: scripts/gpu_offload_check.sh [--out DIR] [--budget S] [--pack DIR] [--preset P]
 #                                       [--batch B] [--dry-run] [PART ...]
-#   parts: bench largest phases ckpt resume resume-mmap (default: all, in that order; the
+#   parts: bench largest phases update ckpt resume resume-mmap (default: all, in that order; the
 #          resumes read the step the ckpt part keeps in $TMPDIR, which a run with a resume
 #          part deletes at its end)
 #   e.g.   scripts/gpu_offload_check.sh --budget 420 --pack "$OUT"
-#          scripts/gpu_offload_check.sh --pack "$OUT" phases ckpt resume resume-mmap  # the rest
+#          scripts/gpu_offload_check.sh --budget 270 --pack "$OUT" phases update  # the next
 #
 # Environment: PYTHON (as scripts/gpu_bench.sh), HOST_MEMORY (bytes for plan's estimate;
 # default: the machine's), PINNED_LIMIT_GB (XLA:GPU's pinned-host pool; default 110).
@@ -36,18 +37,18 @@ while (($#)); do
         --preset) preset=$2; shift 2 ;;
         --batch) batch=$2; shift 2 ;;
         --dry-run) dry=1; shift ;;
-        bench|largest|phases|ckpt|resume|resume-mmap) parts+=("$1"); shift ;;
+        bench|largest|phases|update|ckpt|resume|resume-mmap) parts+=("$1"); shift ;;
         *) echo "gpu_offload_check.sh: unknown argument '$1' (see the usage at its top)" >&2
            exit 2 ;;
     esac
 done
-((${#parts[@]})) || parts=(bench largest phases ckpt resume resume-mmap)
+((${#parts[@]})) || parts=(bench largest phases update ckpt resume resume-mmap)
 ((dry)) || mkdir -p "$out"
 
 # Each part's time limit in seconds, and its command (`cmd`) for a limit of $2 seconds: the
 # children of gpu_bench.py (the whole bench; each probe of the search) stop 10 s before it.
-declare -A limits=([bench]=270 [largest]=240 [phases]=120 [ckpt]=150 [resume]=75
-                   [resume-mmap]=75)
+declare -A limits=([bench]=270 [largest]=240 [phases]=120 [update]=120 [ckpt]=150
+                   [resume]=75 [resume-mmap]=75)
 ckpt_dir="${TMPDIR:-/tmp}/zerojax-offload-check-ckpt"  # not under OUT: --pack tars OUT
 command_of() {
     local bench=("$PYTHON" "$root/experiments/gpu_bench.py" --out "$out" --preset "$preset")
@@ -60,6 +61,9 @@ command_of() {
                  ${HOST_MEMORY:+--host-memory "$HOST_MEMORY"}) ;;
         phases) cmd=("$PYTHON" "$root/experiments/offload_phases.py" --preset "$preset"
                 --batch "$batch" --out "$out/phases.json") ;;
+        # the 1b preset's largest leaf: its MLP kernels stacked over 16 layers, 302 M params
+        update) cmd=("$PYTHON" "$root/experiments/update_bench.py" --params 302e6
+                --host-devices 1 2 4 8 --repeats 5 --out "$out/update.json") ;;
         ckpt) cmd=("$PYTHON" "$root/experiments/offload_checkpoint_memory.py" --preset "$preset"
               --dir "$ckpt_dir" --out "$out/ckpt.json") ;;
         resume) cmd=("$PYTHON" "$root/experiments/offload_checkpoint_memory.py" --preset "$preset"
@@ -92,7 +96,7 @@ done
 if [[ -n $pack ]]; then
     mkdir -p "$pack"
     tar czf "$pack/offload_check.tgz" -C "$out" .
-    for f in gpu_bench.md phases.json ckpt.json resume.json resume_mmap.json; do
+    for f in gpu_bench.md phases.json update.json ckpt.json resume.json resume_mmap.json; do
         [[ -f $out/$f ]] && cp "$out/$f" "$pack/"
     done
 fi

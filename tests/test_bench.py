@@ -457,9 +457,10 @@ def test_update_bench_counts_the_bytes_and_times_every_form():
     sys.path.insert(0, str(ROOT / "experiments"))
     import update_bench
 
-    res = update_bench.measure(4096, repeats=1)
+    res = update_bench.measure(4096, repeats=1, host_devices=(2,))
     assert res["bytes_per_update"] == 28 * 4096 + 8
-    assert set(res["update"]) == {"donated", "not donated", "CPU-backend program"}
+    assert set(res["update"]) == {"donated", "not donated", "CPU-backend program",
+                                  "over 2 CPU devices"}
     best = max(res["copy_bytes_per_s"].values())
     for r in res["update"].values():
         assert r["bytes_per_s"] == pytest.approx(res["bytes_per_update"] / r["median_s"])
@@ -578,25 +579,28 @@ def test_gpu_offload_check_commands_parse(tmp_path):
     import gpu_bench
     import offload_checkpoint_memory
     import offload_phases
+    import update_bench
 
     env = {**os.environ, "PYTHON": sys.executable, "HOST_MEMORY": "125e9"}
     out = subprocess.run([str(ROOT / "scripts" / "gpu_offload_check.sh"), "--dry-run", "--out",
                           str(tmp_path / "o"), "--preset", "test"], env=env, check=True,
                          capture_output=True, text=True).stdout.splitlines()
-    assert [line.split(":")[0] for line in out] == ["bench", "largest", "phases", "ckpt",
-                                                    "resume", "resume-mmap"]
+    assert [line.split(":")[0] for line in out] == ["bench", "largest", "phases", "update",
+                                                    "ckpt", "resume", "resume-mmap"]
     parsers = {"gpu_bench.py": gpu_bench.parse_args, "offload_phases.py": offload_phases.parse_args,
-               "offload_checkpoint_memory.py": offload_checkpoint_memory.parse_args}
+               "offload_checkpoint_memory.py": offload_checkpoint_memory.parse_args,
+               "update_bench.py": update_bench.parse_args}
     parsed = {}
     for line in out:
         part, cmd = line.split(": ", 1)
         words = cmd.split()
         assert words[0] == sys.executable
         parsed[part] = parsers[Path(words[1]).name](words[2:])
-        assert parsed[part].preset == "test"
+        assert part == "update" or parsed[part].preset == "test"
     assert parsed["bench"].variants == ["stage3_offload", "stage3_offload_dpu", "stage3_twin",
                                         "stage3_twin_dpu"] and parsed["bench"].parts == ["bench"]
     assert parsed["largest"].largest_variants == ["stage3_offload"]
+    assert parsed["update"].host_devices == [1, 2, 4, 8] and parsed["update"].params == 302e6
     assert parsed["largest"].host_memory == 125e9 and parsed["largest"].pinned_limit_gb == 110
     # the resumes read the second step the ckpt part writes, outside OUT (which is packed)
     assert parsed["resume"].restore_only == parsed["ckpt"].dir / "b" \
