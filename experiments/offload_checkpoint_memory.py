@@ -96,7 +96,8 @@ def device_in_use() -> int:
 
 
 class Peak:
-    """The most each of host and device memory held above where it was, while in the block."""
+    """The most each of host and device memory held above where it was, while in the block, and
+    what the host held above it as the block ended (`end`)."""
 
     def __enter__(self):
         self.base, self.dbase = resident(), device_in_use()
@@ -114,7 +115,8 @@ class Peak:
     def __exit__(self, *exc):
         self._stop = True
         self._thread.join()
-        self.host = max(self.host, resident() - self.base)
+        self.end = resident() - self.base
+        self.host = max(self.host, self.end)
 
 
 def main(argv=None) -> dict:
@@ -168,7 +170,7 @@ def restore_only(a, eng) -> dict:
         state = jax.block_until_ready(eng.restore(a.restore_only))
     host = state_bytes(eng)["host"]
     row = {"host": p.host / host, "device": p.device / host,
-           "host_at_end": (resident() - p.base) / host, "host_arrays": host_array_bytes() / host}
+           "host_at_end": p.end / host, "host_arrays": host_array_bytes() / host}
     print(f"restore, fresh process: host peak +{row['host']:.2f}x, at its end "
           f"+{row['host_at_end']:.2f}x, host arrays {row['host_arrays']:.2f}x; device "
           f"+{row['device']:.2f}x (of the host state, {host / 1e9:.2f} GB; mmap threshold "
