@@ -10,6 +10,10 @@ which one binds; the step's own time says how much of them overlaps (the update 
 update/parts.py, side by side, each part's shards sent as it is done). The moves are timed
 both ways jax can make them between two backends: a sharded `device_put`, and shard by shard
 (`offload.across`, what the engine uses).
+The gradients program is also timed beside a load on every core of the host that computes in
+cache, and beside one that copies through memory: which of the host's cores (some thread
+launches the devices' work) or its memory bandwidth (the backward's copies to host memory)
+the update takes from the devices, when the delayed step overlaps the two.
 Last, the offloaded run's params against the run without offload on a small preset, so a
 wrong move or a wrongly aliased buffer between the backends shows as a number.
 
@@ -19,9 +23,11 @@ wrong move or a wrongly aliased buffer between the backends shows as a number.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # offload_overlap besi
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zerojax
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -130,6 +137,65 @@ def together(eng, state, batch, repeats: int) -> tuple[dict, object]:
     return {k: statistics.median(v) for k, v in out.items()}, state
 
 
+class Load:
+    """Every core of the host kept busy by programs of the CPU backend until the block ends,
+    one thread each (the CPU backend runs one thread's programs one after another): `kind`
+    "compute" loops over 64 KB, in cache; "memory" updates 64 MB in place (donated), through
+    memory. The block starts once each thread has run its program."""
+
+    def __init__(self, kind: str, threads: int | None = None):
+        self.threads = threads or os.cpu_count() or 1
+        if kind == "compute":
+            self.size = 1 << 14
+            self.fn = jax.jit(lambda x: jax.lax.fori_loop(
+                0, 2000, lambda i, y: y * 1.0001 + 1e-7, x))
+        else:
+            self.size = 16 << 20
+            self.fn = jax.jit(lambda x: x * 1.0001 + 1e-7, donate_argnums=0)
+        self.cpu = jax.devices("cpu")[0]
+        jax.block_until_ready(self.fn(self._array()))  # compiled here, not in the threads
+
+    def _array(self):
+        return jax.device_put(jnp.zeros((self.size,), jnp.float32), self.cpu)
+
+    def _run(self):
+        x = self._array()
+        x = jax.block_until_ready(self.fn(x))
+        self._started.release()
+        while not self._stop.is_set():
+            x = jax.block_until_ready(self.fn(x))
+
+    def __enter__(self):
+        self._stop, self._started = threading.Event(), threading.Semaphore(0)
+        self._pool = [threading.Thread(target=self._run, daemon=True)
+                      for _ in range(self.threads)]
+        for t in self._pool:
+            t.start()
+        for _ in self._pool:
+            self._started.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._pool:
+            t.join()
+
+
+def under_load(eng, state, batch, repeats: int) -> dict:
+    """The gradients program timed (median, blocked) beside each `Load`: against its time
+    alone (`phases`), a program slower beside the computing load says the devices wait for a
+    core of the host; slower beside the copying one, for its memory bandwidth."""
+    h = eng._offload
+    part = h.device_part(state)
+    out = {}
+    for kind in ("compute", "memory"):
+        with Load(kind) as load:
+            s, _ = timed(lambda: h._grads_fn()(part, batch)[1], repeats)
+        doing = "computing" if kind == "compute" else "copying"
+        out[f"gradients, beside {load.threads} threads {doing}"] = s
+    return out
+
+
 def parity(preset: str = "test", steps: int = 4) -> float:
     """The offloaded run's params against the run without offload on the same batches, as
     their distance relative to how far the run moved them (stage 3, float32 compute: on a GPU
@@ -186,6 +252,7 @@ def main(argv=None) -> dict:
     state, _ = eng.step(state, batch)  # compiled and warm
     res["phases_s"], res["shard_memory"], state = phases(eng, state, batch, args.steps)
     res["together_s"], state = together(eng, state, batch, args.steps)
+    res["under_load_s"] = under_load(eng, state, batch, args.steps)
     res["update_parts"] = len(eng.plan.update.parts(False, [eng.plan.rdtype] * len(
         eng.layout.leaves)))
     for _ in range(args.steps):  # each step donates the state: stepped on, not repeated
@@ -213,6 +280,9 @@ def main(argv=None) -> dict:
     print(f"  (the shards came up into the devices' {', '.join(res['shard_memory'])} memory)")
     for k, v in res["together_s"].items():  # the delayed step's overlap, dispatched as it does
         print(f"  {k:<28}{1e3 * v:>9.1f}  (from the dispatch of both)")
+    alone = 1e3 * res["phases_s"]["gradients program"]
+    for k, v in res["under_load_s"].items():  # what the update could take from the devices
+        print(f"  {k:<28}{1e3 * v:>9.1f}  (alone: {alone:.1f})")
     print(f"  {'the step':<28}{1e3 * res['step_s']:>9.1f}")
     print(f"  {'the delayed step':<28}{1e3 * res['delayed_step_s']:>9.1f}")
     gb = res["moves"]["bytes"] / 1e9

@@ -511,6 +511,10 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     assert set(res["together_s"]) == {"gradients, beside the update",
                                       "update, beside the gradients"}
     assert all(v > 0 for v in res["together_s"].values())
+    cores = os.cpu_count()
+    assert set(res["under_load_s"]) == {f"gradients, beside {cores} threads computing",
+                                        f"gradients, beside {cores} threads copying"}
+    assert all(v > 0 for v in res["under_load_s"].values())
     assert res["step_s"] > 0 and res["delayed_step_s"] > 0
     assert len(res["moves"]["seconds"]) == 4 and res["moves"]["bytes"] == 4 * 250_000
     assert json.loads((tmp_path / "p.json").read_text())["preset"] == "test"
