@@ -72,13 +72,18 @@ def offload_engine(size: int, optimizer, param_dtype: str = "bfloat16", devices=
     return eng, eng.init(jax.random.key(0), batch)
 
 
+def _scalars(eng) -> tuple:
+    """The update's scalars on the host mesh: divisor 1, norm 1, no finite flag, loss 0."""
+    one = lambda x: jax.device_put(x, NamedSharding(eng.host_mesh, P()))
+    return one(jnp.float32(1)), one(jnp.float32(1)), None, one(jnp.float32(0))
+
+
 def update_fn(eng, donate: bool = True):
     """`(master, opt_state, grads) -> (master, opt_state, compute shards)`: the step's
     offloaded update alone (no clipping; a finite step), the engine's own host program, the
     host state donated if `donate`. `grads` on the engine's host mesh."""
     fn = eng._offload._update_fn(donate, False)
-    one = lambda x: jax.device_put(x, NamedSharding(eng.host_mesh, P()))
-    scalars = (one(jnp.float32(1)), one(jnp.float32(1)), None, one(jnp.float32(0)))
+    scalars = _scalars(eng)
 
     def run(master, opt_state, grads):
         master, opt_state, shards, _ = fn(scalars, master, opt_state, grads)
@@ -132,6 +137,18 @@ def state_bytes(eng, state, grads) -> int:
     return size(grads) + 2 * (size(state.master) + size(state.opt_state)) + compute
 
 
+def traffic(eng, state, grads) -> int:
+    """Bytes the engine's compiled host update reads and writes, all partitions (XLA's cost
+    analysis, per partition, times the host mesh's devices): more than `state_bytes` where
+    XLA:CPU writes an intermediate to memory and reads it back. An AdamW update is four
+    fusions, one per output (XLA:CPU fuses no two outputs into one loop): the two moments
+    (each reads the gradient), the master (reads both new moments) and the compute shard
+    (reads the new master): 42 bytes a param against 28."""
+    fn = eng._offload._update_fn(True, False)
+    cost = fn.lower(_scalars(eng), state.master, state.opt_state, grads).compile()
+    return int(cost.cost_analysis()["bytes accessed"]) * eng.host_mesh.size
+
+
 def copy_timer(nbytes: int, threads: int, pool: ThreadPoolExecutor):
     """() -> seconds of one `np.copyto` of `nbytes`, split over `threads` of `pool`."""
     src = np.ones(nbytes // 4, np.float32)
@@ -168,6 +185,7 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
     dtype = DTYPES[param_dtype]
     grads = gradient_of(eng, state)
     moved = state_bytes(eng, state, grads)
+    traffic_of = {"donated": traffic(eng, state, grads)}
     cores = os.cpu_count() or 1
     pool = ThreadPoolExecutor(cores)
     copies = {"1 thread": copy_timer(moved // 2, 1, pool),
@@ -191,6 +209,7 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
         fn = update_fn(e)
         updates[name] = Threaded(lambda m, o, fn=fn, g=g: fn(m, o, g), s.master, s.opt_state)
         bytes_of[name] = state_bytes(e, s, g)  # the flat leaf padded to a multiple of k
+        traffic_of[name] = traffic(e, s, g)
     timers = {**{("copy", k): v for k, v in copies.items()},
               **{("update", k): v for k, v in updates.items()}}
     times = {k: [] for k in timers}
@@ -208,6 +227,10 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
             "update": {k: {"median_s": med["update", k],
                            "bytes_per_s": bytes_of[k] / med["update", k],
                            "ratio_to_copy": bytes_of[k] / med["update", k] / best}
+                       | ({"traffic_bytes": traffic_of[k],
+                           "traffic_per_s": traffic_of[k] / med["update", k],
+                           "traffic_ratio_to_copy": traffic_of[k] / med["update", k] / best}
+                          if k in traffic_of else {})
                        for k in updates}}
 
 
@@ -221,6 +244,14 @@ def table(res: dict) -> str:
     for name, r in res["update"].items():
         lines.append(f"  update, {name:<20} {gb(r['bytes_per_s']):>12}  "
                      f"({r['ratio_to_copy']:.2f}x the best copy; {r['median_s'] * 1e3:.1f} ms)")
+    traffic = {k: r for k, r in res["update"].items() if "traffic_bytes" in r}
+    if traffic:
+        per = traffic["donated"]["traffic_bytes"] / res["params"]
+        lines.append(f"the engine's compiled update reads and writes {per:.1f} bytes a param "
+                     f"(XLA's cost analysis), at")
+        for name, r in traffic.items():
+            lines.append(f"  update, {name:<20} {gb(r['traffic_per_s']):>12}  "
+                         f"({r['traffic_ratio_to_copy']:.2f}x the best copy)")
     return "\n".join(lines)
 
 
