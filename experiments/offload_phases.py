@@ -14,6 +14,8 @@ The gradients program is also timed beside a load on every core of the host that
 cache, and beside one that copies through memory: which of the host's cores (some thread
 launches the devices' work) or its memory bandwidth (the backward's copies to host memory)
 the update takes from the devices, when the delayed step overlaps the two.
+And the engine's own delayed step as a timeline: when each of its programs and moves was
+dispatched and when its result was ready, from the step's call, beside when the call returned.
 Last, the offloaded run's params against the run without offload on a small preset, so a
 wrong move or a wrongly aliased buffer between the backends shows as a number.
 
@@ -196,6 +198,71 @@ def under_load(eng, state, batch, repeats: int) -> dict:
     return out
 
 
+def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
+    """The engine's own steps (`eng.step`), each program and move of them recorded as
+    (name, ms from the step's call to the return of its own call (a program's dispatch; a
+    move's, which may wait for what it moves), ms to its result being ready); the last rows
+    "step returned" and "step ready". Medians over `steps`. A watcher thread per result waits
+    for it, so nothing in the step waits more than it would."""
+    h = eng._offload
+    clock = {"t0": 0.0}
+    rows: list = []
+    watchers: list = []
+
+    def watch(name, out):
+        row = [name, 1e3 * (time.perf_counter() - clock["t0"]), None]
+        rows.append(row)
+
+        def wait():
+            jax.block_until_ready(out)
+            row[2] = 1e3 * (time.perf_counter() - clock["t0"])
+
+        watchers.append(threading.Thread(target=wait, daemon=True))
+        watchers[-1].start()
+        return out
+
+    grads_fn = h._grads_fn
+    orig = {n: getattr(h, n) for n in ("_update", "down", "up", "_compute_of")}
+    names = {"_update": "host update", "down": "gradient to the host mesh",
+             "up": "shards to the devices", "_compute_of": "compute params"}
+
+    def recorded(n):
+        def run(*a, **k):
+            out = orig[n](*a, **k)
+            watch(names[n], out[:3] if n == "_update" else out)
+            return out
+        return run
+
+    def grads():
+        fn = grads_fn()
+        return lambda *a: watch("gradients program", fn(*a))
+
+    table: dict = {}
+    try:
+        for n in orig:
+            setattr(h, n, recorded(n))
+        h._grads_fn = grads
+        for _ in range(steps):
+            rows.clear()
+            watchers.clear()
+            clock["t0"] = time.perf_counter()
+            state, m = eng.step(state, batch)
+            returned = 1e3 * (time.perf_counter() - clock["t0"])
+            jax.block_until_ready((state, m))
+            ready = 1e3 * (time.perf_counter() - clock["t0"])
+            for w in watchers:
+                w.join()
+            for name, at, done in [*rows, ["step returned", returned, returned],
+                                   ["step ready", ready, ready]]:
+                table.setdefault(name, []).append((at, done))
+    finally:
+        for n in (*orig, "_grads_fn"):
+            h.__dict__.pop(n, None)  # the class's own methods again
+    med = lambda xs: statistics.median(xs)
+    return [(name, med([a for a, _ in v]), med([d for _, d in v]))
+            for name, v in table.items()], state
+
+
 def parity(preset: str = "test", steps: int = 4) -> float:
     """The offloaded run's params against the run without offload on the same batches, as
     their distance relative to how far the run moved them (stage 3, float32 compute: on a GPU
@@ -268,6 +335,7 @@ def main(argv=None) -> dict:
         state, m = jax.block_until_ready(eng.step(state, batch))
         times.append(time.perf_counter() - t0)
     res["delayed_step_s"] = statistics.median(times[2:])
+    res["delayed_timeline_ms"], state = timeline(eng, state, batch, args.steps)
     del state
     res["moves"] = moves(args.move_gb, args.steps)
     res["parity"] = parity()
@@ -285,6 +353,10 @@ def main(argv=None) -> dict:
         print(f"  {k:<28}{1e3 * v:>9.1f}  (alone: {alone:.1f})")
     print(f"  {'the step':<28}{1e3 * res['step_s']:>9.1f}")
     print(f"  {'the delayed step':<28}{1e3 * res['delayed_step_s']:>9.1f}")
+    print("  the delayed step's timeline (ms from its call: each call returned, its result "
+          "ready)")
+    for name, at, done in res["delayed_timeline_ms"]:
+        print(f"    {name:<30}{at:>9.1f}{done:>9.1f}")
     gb = res["moves"]["bytes"] / 1e9
     for k, v in res["moves"]["seconds"].items():
         print(f"  {gb:.2f} GB {k:<36}{1e3 * v:>9.1f} ms  {gb / v:>7.2f} GB/s")

@@ -47,7 +47,7 @@ done
 
 # Each part's time limit in seconds, and its command (`cmd`) for a limit of $2 seconds: the
 # children of gpu_bench.py (the whole bench; each probe of the search) stop 10 s before it.
-declare -A limits=([bench]=270 [largest]=240 [phases]=120 [update]=120 [ckpt]=150
+declare -A limits=([bench]=270 [largest]=240 [phases]=150 [update]=120 [ckpt]=150
                    [resume]=75 [resume-mmap]=75)
 ckpt_dir="${TMPDIR:-/tmp}/zerojax-offload-check-ckpt"  # not under OUT: --pack tars OUT
 command_of() {

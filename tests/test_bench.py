@@ -523,6 +523,13 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
                                         f"gradients, beside {cores} threads copying"}
     assert all(v > 0 for v in res["under_load_s"].values())
     assert res["step_s"] > 0 and res["delayed_step_s"] > 0
+    # the engine's own delayed step, in the order it dispatches: the update of the last
+    # gradient first, then the gradients program the update overlaps
+    line = res["delayed_timeline_ms"]
+    assert [r[0] for r in line] == ["host update", "gradients program",
+                                    "gradient to the host mesh", "shards to the devices",
+                                    "compute params", "step returned", "step ready"]
+    assert all(0 < at <= ready <= line[-1][2] for _, at, ready in line)
     assert len(res["moves"]["seconds"]) == 4 and res["moves"]["bytes"] == 4 * 250_000
     assert json.loads((tmp_path / "p.json").read_text())["preset"] == "test"
     # one backend here: rounding (measured 0 as a script, 1.9e-5 under the suite's compile
