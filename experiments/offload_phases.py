@@ -203,7 +203,8 @@ def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
     (name, ms from the step's call to the return of its own call (a program's dispatch; a
     move's, which may wait for what it moves), ms to its result being ready); the last rows
     "step returned" and "step ready". Medians over `steps`. A watcher thread per result waits
-    for it, so nothing in the step waits more than it would."""
+    for it, so nothing in the step waits more than it would (and sees it ready as it wakes: a
+    little late, where the host's cores are busy)."""
     h = eng._offload
     clock = {"t0": 0.0}
     rows: list = []
