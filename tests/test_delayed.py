@@ -321,6 +321,9 @@ def test_the_pending_gradient_waits_as_it_arrived(stage, accum, cfg):
     _, reduced, _ = off._grads_fn()(off.device_part(state), zj.mesh.put_batch(batch, eng.mesh))
     arrived = off.down(jax.tree.leaves(reduced[0]))
     assert {g.dtype for g in arrived} == {want}
+    # the host update that `measure` compiles takes the gradient in that dtype too
+    lowered = eng.lower_host_update().args_info[0][3]
+    assert {g.dtype for g in jax.tree.leaves(lowered)} == {want}
     for _ in range(2):
         state, _ = eng.step(state, batch)
         assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}

@@ -157,16 +157,17 @@ class HostPrograms:
     def lower_update(self, state):
         """The host's update of a step, lowered (the state donated): of a delayed step with
         delayed_update, whose update a flag may skip, as dynamic loss scaling's may; with
-        Twin-Flow, of the host's share of the leaves."""
-        specs, mesh = self.engine.state_specs(), self.mesh
+        Twin-Flow, of the host's share of the leaves. The gradient in the dtype the step hands
+        it over in (`StepPlan.reduced_dtype`)."""
+        specs, mesh, plan = self.engine.state_specs(), self.mesh, self.engine.plan
         grads = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(
-            m.shape, self.engine.plan.rdtype, sharding=NamedSharding(mesh, s)),
+            m.shape, plan.reduced_dtype, sharding=NamedSharding(mesh, s)),
             state.master, specs.master, is_leaf=lambda x: isinstance(x, P))
         one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
         reduced = (grads, one(jnp.float32), one(jnp.float32), one(jnp.bool_), one(jnp.float32))
         if not (self.engine.config.dynamic_scale or self.k is not None):
             reduced = (*reduced[:3], None, reduced[4])  # no flag: nothing skips the update
-        same = self.engine.plan.rdtype == self.engine.plan.dtype
+        same = plan.reduced_dtype == plan.dtype
         if self.split()[0]:  # Twin-Flow: the host's leaves, as one program
             parts = self._parts_fn(True, reduced[3] is not None, tuple(
                 x.dtype for x in jax.tree.leaves(grads)), same, host_parts=1)
