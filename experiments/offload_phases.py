@@ -14,8 +14,9 @@ The gradients program is also timed beside a load on every core of the host that
 cache, and beside one that copies through memory: which of the host's cores (some thread
 launches the devices' work) or its memory bandwidth (the backward's copies to host memory)
 the update takes from the devices, when the delayed step overlaps the two.
-And the engine's own delayed step as a timeline: when each of its programs and moves was
-dispatched and when its result was ready, from the step's call, beside when the call returned.
+And the engine's own delayed step as a timeline: when the call to each of its programs and
+moves returned and when its result was ready, from the step's call, beside when the step
+returned.
 Last, the offloaded run's params against the run without offload on a small preset, so a
 wrong move or a wrongly aliased buffer between the backends shows as a number.
 
@@ -259,7 +260,7 @@ def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
     finally:
         for n in (*orig, "_grads_fn"):
             h.__dict__.pop(n, None)  # the class's own methods again
-    med = lambda xs: statistics.median(xs)
+    med = statistics.median
     return [(name, med([a for a, _ in v]), med([d for _, d in v]))
             for name, v in table.items()], state
 
