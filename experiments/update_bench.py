@@ -14,6 +14,10 @@ threads, so one device's update of a large leaf runs on a few cores however many
 while K partitions run at once. What a host mesh of several CPU devices per accelerator would
 gain, measured before it is built (docs/performance.md).
 
+With numba installed, the same AdamW also runs as one pass over the state (`fused_adamw.py`:
+each byte read and written once, in place, on every core), on a copy of the same state, its
+numbers checked against the engine's update: what a fused update would gain.
+
     .venv/bin/python experiments/update_bench.py --params 50e6
     .venv/bin/python experiments/update_bench.py --params 302e6 --host-devices 1 2 4 8
 """
@@ -102,6 +106,55 @@ def cpu_backend_fn(optimizer, dtype):
 
     return jax.jit(step, donate_argnums=(0, 1))
 
+
+
+class Fused:
+    """`fused_adamw.adamw_bf16` threaded through copies of `state`'s master and moments, as
+    `Threaded` times it: () -> seconds; `first` is its first step's (master, mu, nu, compute
+    shard words), to check against the engine's update of the same state and gradient."""
+
+    B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-3  # optax.adamw(1e-3, weight_decay=0.1)
+
+    def __init__(self, state, grads):
+        from fused_adamw import adamw_bf16, bf16_words
+
+        adam = state.opt_state[0]
+        self.step, self.run = int(adam.count), adamw_bf16
+        self.master, self.mu, self.nu = (np.array(x["w"], np.float32)
+                                         for x in (state.master, adam.mu, adam.nu))
+        self.g = bf16_words(grads["w"])
+        self.out = np.empty_like(self.g)
+        # the reciprocals of optax's bias corrections, as XLA computes them (float32)
+        correction = jax.jit(lambda d, t: 1 / (1 - d ** t))
+        self.corrections = lambda t: tuple(np.float32(correction(d, jnp.int32(t)))
+                                           for d in (self.B1, self.B2))
+        self()
+        self.first = tuple(x.copy() for x in (self.master, self.mu, self.nu, self.out))
+
+    def __call__(self) -> float:
+        self.step += 1
+        r1, r2 = self.corrections(self.step)
+        f = np.float32
+        t0 = time.perf_counter()
+        self.run(self.master, self.mu, self.nu, self.g, self.out, f(1 - self.B1), f(self.B1),
+                 f(1 - self.B2), f(self.B2), f(self.EPS), r1, r2, f(self.WD), f(self.LR))
+        return time.perf_counter() - t0
+
+
+def fused_check(fused: Fused, eng, state, grads) -> dict:
+    """The fused pass's first step against the engine's update of the same state: of master,
+    moments and compute shard, the share of elements that differ and the largest difference
+    in units in the last place."""
+    from fused_adamw import bf16_words
+
+    master, opt, shards = update_fn(eng, donate=False)(state.master, state.opt_state, grads)
+    engine = (np.asarray(master["w"]), np.asarray(opt[0].mu["w"]), np.asarray(opt[0].nu["w"]),
+              bf16_words(jax.tree.leaves(shards)[0]))
+    ulps = lambda a, b: np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32)) \
+        if a.dtype == np.float32 else np.abs(a.astype(np.int64) - b)
+    d = [ulps(a, b) for a, b in zip(fused.first, engine)]
+    return {"differ": sum(int(np.count_nonzero(x)) for x in d) / sum(x.size for x in d),
+            "max_ulps": max(int(x.max()) for x in d)}
 
 
 class Threaded:
@@ -198,6 +251,10 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
         updates["donated" if d else "not donated"] = Threaded(
             lambda m, o, fn=fn: fn(m, o, grads), state.master, state.opt_state)
     updates["CPU-backend program"] = cpu_backend_timer(params, optimizer, dtype)
+    fused = None
+    if has_numba() and param_dtype == "bfloat16":
+        state = eng.init(jax.random.key(0), BATCH)  # the timers above donated theirs
+        updates["fused, one pass (numba)"] = fused = Fused(state, grads)
     bytes_of = dict.fromkeys(updates, moved)
     cpus = jax.devices("cpu")
     for k in host_devices:
@@ -219,6 +276,8 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
             if i:
                 times[k].append(t)
     pool.shutdown()
+    check = None if fused is None else fused_check(fused, eng, eng.init(jax.random.key(0), BATCH),
+                                                   grads)
     med = {k: statistics.median(v) for k, v in times.items()}
     copy = {k: moved / med["copy", k] for k in copies}
     best = max(copy.values())
@@ -231,7 +290,16 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
                            "traffic_per_s": traffic_of[k] / med["update", k],
                            "traffic_ratio_to_copy": traffic_of[k] / med["update", k] / best}
                           if k in traffic_of else {})
-                       for k in updates}}
+                       for k in updates},
+            "fused_check": check}
+
+
+def has_numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def table(res: dict) -> str:
@@ -240,17 +308,25 @@ def table(res: dict) -> str:
     lines = [f"offloaded AdamW update of {res['params']:,} params on {res['cores']} cores: "
              f"{res['bytes_per_update'] / 1e9:.2f} GB read + written per update"]
     for name, bw in res["copy_bytes_per_s"].items():
-        lines.append(f"  np.copyto, {name:<17} {gb(bw):>12}  ({bw / best:.2f}x the best copy)")
+        lines.append(f"  np.copyto, {name:<28} {gb(bw):>12}  ({bw / best:.2f}x the best copy)")
     for name, r in res["update"].items():
-        lines.append(f"  update, {name:<20} {gb(r['bytes_per_s']):>12}  "
+        lines.append(f"  update, {name:<31} {gb(r['bytes_per_s']):>12}  "
                      f"({r['ratio_to_copy']:.2f}x the best copy; {r['median_s'] * 1e3:.1f} ms)")
+    check = res.get("fused_check")
+    if check is not None:
+        same = "bitwise" if not check["differ"] else (
+            f"bitwise but {check['differ']:.2%} of the elements, within {check['max_ulps']} "
+            f"unit(s) in the last place")
+        lines.append(f"  (the fused pass gives the engine's numbers: {same})")
+    elif not has_numba():
+        lines.append("  (fused, one pass: n/a, numba is not installed)")
     traffic = {k: r for k, r in res["update"].items() if "traffic_bytes" in r}
     if traffic:
         per = traffic["donated"]["traffic_bytes"] / res["params"]
         lines.append(f"the engine's compiled update reads and writes {per:.1f} bytes a param "
                      f"(XLA's cost analysis), at")
         for name, r in traffic.items():
-            lines.append(f"  update, {name:<20} {gb(r['traffic_per_s']):>12}  "
+            lines.append(f"  update, {name:<31} {gb(r['traffic_per_s']):>12}  "
                          f"({r['traffic_ratio_to_copy']:.2f}x the best copy)")
     return "\n".join(lines)
 
