@@ -798,8 +798,7 @@ def test_nano_stage3_learns_and_writes_outputs(tmp_path, capfd):
     change no parameter (the context stays 128) and no byte of the state."""
     t = time.perf_counter()
     r = zerojax("train", "--model", "nano", "--stage", 3, "--devices", 4, "--steps", 20,
-                "--eval-every", 10, "--seq-len", 32, "--out", tmp_path,
-                fast=False)  # mostly steps, not compiles
+                "--eval-every", 10, "--seq-len", 32, "--out", tmp_path)
     wall = time.perf_counter() - t
     assert r.returncode == 0, r.stderr
     recs = records(tmp_path)
@@ -838,7 +837,7 @@ def test_model_parallel_quick_start_reaches_the_same_eval_loss(tmp_path):
     stays 128) at a quarter of the steps' cost."""
     argv = ["train", "--devices", 8, "--steps", 15, "--eval-every", 15, "--eval-batches", 2,
             "--seq-len", 32, "--no-tensorboard"]
-    runs = {name: zerojax(*argv, *more, "--out", tmp_path / name, fast=False)
+    runs = {name: zerojax(*argv, *more, "--out", tmp_path / name)
             for name, more in (("flat", []), ("tp", ["--model-parallel", 2]))}
     for r in runs.values():
         assert r.returncode == 0, r.stderr
