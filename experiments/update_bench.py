@@ -141,6 +141,42 @@ class Fused:
         return time.perf_counter() - t0
 
 
+class FusedCall(Fused):
+    """The same pass as an XLA:CPU custom call (`fused_adamw.custom_call`), on the CPU backend,
+    its state and a fresh copy of the gradient donated and aliased, as the engine's update
+    would run it."""
+
+    def __init__(self, state, grads, call):
+        self.call = call
+        cpu = jax.devices("cpu")[0]
+        super().__init__(state, grads)  # the numbers, then the same state on the CPU backend
+        adam = state.opt_state[0]
+        self.state = [jax.device_put(np.array(x["w"], np.float32), cpu)
+                      for x in (state.master, adam.mu, adam.nu)]
+        self.grad = jax.device_put(np.asarray(grads["w"]), cpu)
+        self.step = int(adam.count)
+        self()
+        self.first = tuple(np.asarray(x) for x in self.state) + (self.out_words,)
+
+    def __call__(self) -> float:
+        if not hasattr(self, "state"):  # Fused.__init__'s own first step
+            return super().__call__()
+        from fused_adamw import bf16_words
+
+        self.step += 1
+        r1, r2 = self.corrections(self.step)
+        f = np.float32
+        scalars = jnp.asarray([f(1 - self.B1), f(self.B1), f(1 - self.B2), f(self.B2),
+                               f(self.EPS), r1, r2, f(self.WD), f(self.LR)])
+        grad = jnp.copy(self.grad).block_until_ready()  # donated, as each step's arrives
+        t0 = time.perf_counter()
+        *self.state, out = self.call(scalars, *self.state, grad)
+        jax.block_until_ready((self.state, out))
+        dt = time.perf_counter() - t0
+        self.out_words = bf16_words(out)
+        return dt
+
+
 def fused_check(fused: Fused, eng, state, grads) -> dict:
     """The fused pass's first step against the engine's update of the same state: of master,
     moments and compute shard, the share of elements that differ and the largest difference
@@ -251,10 +287,18 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
         updates["donated" if d else "not donated"] = Threaded(
             lambda m, o, fn=fn: fn(m, o, grads), state.master, state.opt_state)
     updates["CPU-backend program"] = cpu_backend_timer(params, optimizer, dtype)
-    fused = None
+    fused, checks = {}, {}
     if has_numba() and param_dtype == "bfloat16":
+        from fused_adamw import custom_call
+
         state = eng.init(jax.random.key(0), BATCH)  # the timers above donated theirs
-        updates["fused, one pass (numba)"] = fused = Fused(state, grads)
+        fused["fused, one pass (numba)"] = Fused(state, grads)
+        call = custom_call()
+        if call is not None:
+            fused["fused, XLA custom call (C++)"] = FusedCall(state, grads, call)
+        else:
+            checks["fused, XLA custom call (C++)"] = {"n/a": custom_call.why}
+        updates |= fused
     bytes_of = dict.fromkeys(updates, moved)
     cpus = jax.devices("cpu")
     for k in host_devices:
@@ -276,8 +320,8 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
             if i:
                 times[k].append(t)
     pool.shutdown()
-    check = None if fused is None else fused_check(fused, eng, eng.init(jax.random.key(0), BATCH),
-                                                   grads)
+    for name, f in fused.items():
+        checks[name] = fused_check(f, eng, eng.init(jax.random.key(0), BATCH), grads)
     med = {k: statistics.median(v) for k, v in times.items()}
     copy = {k: moved / med["copy", k] for k in copies}
     best = max(copy.values())
@@ -291,7 +335,7 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
                            "traffic_ratio_to_copy": traffic_of[k] / med["update", k] / best}
                           if k in traffic_of else {})
                        for k in updates},
-            "fused_check": check}
+            "fused_check": checks}
 
 
 def has_numba() -> bool:
@@ -312,13 +356,15 @@ def table(res: dict) -> str:
     for name, r in res["update"].items():
         lines.append(f"  update, {name:<31} {gb(r['bytes_per_s']):>12}  "
                      f"({r['ratio_to_copy']:.2f}x the best copy; {r['median_s'] * 1e3:.1f} ms)")
-    check = res.get("fused_check")
-    if check is not None:
+    for name, check in res.get("fused_check", {}).items():
+        if "n/a" in check:
+            lines.append(f"  ({name}: n/a, {check['n/a']})")
+            continue
         same = "bitwise" if not check["differ"] else (
             f"bitwise but {check['differ']:.2%} of the elements, within {check['max_ulps']} "
             f"unit(s) in the last place")
-        lines.append(f"  (the fused pass gives the engine's numbers: {same})")
-    elif not has_numba():
+        lines.append(f"  ({name} gives the engine's numbers: {same})")
+    if not has_numba():
         lines.append("  (fused, one pass: n/a, numba is not installed)")
     traffic = {k: r for k, r in res["update"].items() if "traffic_bytes" in r}
     if traffic:

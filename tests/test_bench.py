@@ -461,11 +461,12 @@ def test_update_bench_counts_the_bytes_and_times_every_form():
 
     res = update_bench.measure(4096, repeats=1, host_devices=(2,))
     assert res["bytes_per_update"] == 28 * 4096 + 8
+    fused = ("fused, one pass (numba)", "fused, XLA custom call (C++)")  # g++ is here
     assert set(res["update"]) == {"donated", "not donated", "CPU-backend program",
-                                  "over 2 CPU devices", "fused, one pass (numba)"}
-    # the one-pass AdamW gives the engine's update bitwise on the bench's state (a random one:
-    # test_the_fused_pass_gives_the_engines_update)
-    assert res["fused_check"] == {"differ": 0.0, "max_ulps": 0}
+                                  "over 2 CPU devices", *fused}
+    # the one-pass AdamW, in numba and as a custom call, gives the engine's update bitwise on
+    # the bench's state (a random one: test_the_fused_pass_gives_the_engines_update)
+    assert res["fused_check"] == dict.fromkeys(fused, {"differ": 0.0, "max_ulps": 0})
     best = max(res["copy_bytes_per_s"].values())
     for name, r in res["update"].items():
         if name != "over 2 CPU devices":
@@ -481,12 +482,12 @@ def test_update_bench_counts_the_bytes_and_times_every_form():
 
 
 def test_the_fused_pass_gives_the_engines_update():
-    """update_bench's one-pass AdamW (experiments/fused_adamw.py) against the engine's host
-    update, on a random master, moments of a few steps and a random bf16 gradient: the same
-    numbers within one unit in the last place, as the suite compiles (conftest: -O0, no
-    multiply-add contracted into an FMA; XLA's default pipeline contracts them, and a moment
-    whose two terms nearly cancel then differs by a rounding of the larger term:
-    docs/performance.md); a weight decay off by half is caught."""
+    """update_bench's one-pass AdamW (experiments/fused_adamw.py, in numba and as an XLA:CPU
+    custom call) against the engine's host update, on a random master, moments of a few steps
+    and a random bf16 gradient: the same numbers within one unit in the last place, as the
+    suite compiles (conftest: -O0, no multiply-add contracted into an FMA; XLA's default
+    pipeline contracts them, and a moment whose two terms nearly cancel then differs by a
+    rounding of the larger term: docs/performance.md); a weight decay off by half is caught."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import optax
     import update_bench
@@ -502,8 +503,13 @@ def test_the_fused_pass_gives_the_engines_update():
                                  nu=jax.tree.map(lambda x: jnp.abs(rand(3, x, 1e-4)), adam.nu)),
                    *state.opt_state[1:]))
     grads = jax.tree.map(lambda x: rand(4, x, 1e-2), update_bench.gradient_of(eng, state))
-    check = update_bench.fused_check(update_bench.Fused(state, grads), eng, state, grads)
-    assert check["max_ulps"] <= 1 and check["differ"] < 0.01, check
+    from fused_adamw import custom_call
+
+    call = custom_call()
+    assert call is not None, custom_call.why  # g++ is on this machine
+    for fused in (update_bench.Fused(state, grads), update_bench.FusedCall(state, grads, call)):
+        check = update_bench.fused_check(fused, eng, state, grads)
+        assert check["max_ulps"] <= 1 and check["differ"] < 0.01, (type(fused), check)
 
     class HalfDecay(update_bench.Fused):
         WD = 0.05
