@@ -1,8 +1,9 @@
 """AdamW as one pass over the host state: each param's gradient, master and moments read once
-and written once, in place, on every core (numba).
+and written once, in place, on every core; in numba (`adamw_bf16`) and as an XLA:CPU custom
+call (`custom_call`, fused_adamw.cc).
 
 XLA:CPU compiles the engine's host update into four loop fusions, one per output (42 bytes a
-param read and written for a bf16 model, where 28 are needed: docs/performance.md). This loop
+param read and written for a bf16 model, where 28 are needed: docs/performance.md). This pass
 is what a fused update would move: the measure of what the engine would gain from one
 (`update_bench.py` times it beside the engine's update, on the same state, and checks that it
 gives the engine's numbers). It is not the engine's update.
@@ -80,8 +81,7 @@ def custom_call():
     `(scalars, master, mu, nu, g_bf16) -> (master, mu, nu, compute_bf16)`, the state and the
     gradient donated and aliased to the results (the gradient to the compute shard, as the
     engine writes the shards into the gradient's buffer), scalars float32[9] (a1 b1 a2 b2 eps
-    r1 r2 wd lr). None,
-    with the reason in `custom_call.why`, where no compiler builds it."""
+    r1 r2 wd lr). None, with the reason in `custom_call.why`, where no compiler builds it."""
     import jax
     import jax.numpy as jnp
 

@@ -25,6 +25,7 @@ numbers checked against the engine's update: what a fused update would gain.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -108,73 +109,79 @@ def cpu_backend_fn(optimizer, dtype):
 
 
 
-class Fused:
-    """`fused_adamw.adamw_bf16` threaded through copies of `state`'s master and moments, as
-    `Threaded` times it: () -> seconds; `first` is its first step's (master, mu, nu, compute
-    shard words), to check against the engine's update of the same state and gradient."""
+class AdamWPass:
+    """The one-pass AdamW's step as `Threaded` times it (() -> seconds), over its own copy of
+    `state`'s master and moments; `first` is its first step's (master, mu, nu, compute shard
+    words), to check against the engine's update of the same state and gradient."""
 
     B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-3  # optax.adamw(1e-3, weight_decay=0.1)
 
-    def __init__(self, state, grads):
-        from fused_adamw import adamw_bf16, bf16_words
+    def __init__(self, state):
+        self.step = int(state.opt_state[0].count)
+        self._correction = jax.jit(lambda d, t: 1 / (1 - d ** t))
 
-        adam = state.opt_state[0]
-        self.step, self.run = int(adam.count), adamw_bf16
-        self.master, self.mu, self.nu = (np.array(x["w"], np.float32)
-                                         for x in (state.master, adam.mu, adam.nu))
+    def scalars(self) -> tuple:
+        """The next step's float32 scalars, as the pass takes them: a1 b1 a2 b2 eps r1 r2 wd
+        lr (1 - b rounded from float64, as optax writes it; the reciprocals of the bias
+        corrections, as XLA computes them)."""
+        self.step += 1
+        r1, r2 = (np.float32(self._correction(d, jnp.int32(self.step))) for d in (self.B1, self.B2))
+        f = np.float32
+        return (f(1 - self.B1), f(self.B1), f(1 - self.B2), f(self.B2), f(self.EPS), r1, r2,
+                f(self.WD), f(self.LR))
+
+
+def _state_words(state):
+    """(master, mu, nu) of a one-leaf model's state as float32 numpy copies."""
+    adam = state.opt_state[0]
+    return [np.array(x["w"], np.float32) for x in (state.master, adam.mu, adam.nu)]
+
+
+class Fused(AdamWPass):
+    """`fused_adamw.adamw_bf16` (numba) on numpy copies of the state."""
+
+    def __init__(self, state, grads):
+        from fused_adamw import bf16_words
+
+        super().__init__(state)
+        self.master, self.mu, self.nu = _state_words(state)
         self.g = bf16_words(grads["w"])
         self.out = np.empty_like(self.g)
-        # the reciprocals of optax's bias corrections, as XLA computes them (float32)
-        correction = jax.jit(lambda d, t: 1 / (1 - d ** t))
-        self.corrections = lambda t: tuple(np.float32(correction(d, jnp.int32(t)))
-                                           for d in (self.B1, self.B2))
         self()
         self.first = tuple(x.copy() for x in (self.master, self.mu, self.nu, self.out))
 
     def __call__(self) -> float:
-        self.step += 1
-        r1, r2 = self.corrections(self.step)
-        f = np.float32
+        from fused_adamw import adamw_bf16
+
+        scalars = self.scalars()
         t0 = time.perf_counter()
-        self.run(self.master, self.mu, self.nu, self.g, self.out, f(1 - self.B1), f(self.B1),
-                 f(1 - self.B2), f(self.B2), f(self.EPS), r1, r2, f(self.WD), f(self.LR))
+        adamw_bf16(self.master, self.mu, self.nu, self.g, self.out, *scalars)
         return time.perf_counter() - t0
 
 
-class FusedCall(Fused):
+class FusedCall(AdamWPass):
     """The same pass as an XLA:CPU custom call (`fused_adamw.custom_call`), on the CPU backend,
     its state and a fresh copy of the gradient donated and aliased, as the engine's update
     would run it."""
 
     def __init__(self, state, grads, call):
-        self.call = call
-        cpu = jax.devices("cpu")[0]
-        super().__init__(state, grads)  # the numbers, then the same state on the CPU backend
-        adam = state.opt_state[0]
-        self.state = [jax.device_put(np.array(x["w"], np.float32), cpu)
-                      for x in (state.master, adam.mu, adam.nu)]
-        self.grad = jax.device_put(np.asarray(grads["w"]), cpu)
-        self.step = int(adam.count)
-        self()
-        self.first = tuple(np.asarray(x) for x in self.state) + (self.out_words,)
-
-    def __call__(self) -> float:
-        if not hasattr(self, "state"):  # Fused.__init__'s own first step
-            return super().__call__()
         from fused_adamw import bf16_words
 
-        self.step += 1
-        r1, r2 = self.corrections(self.step)
-        f = np.float32
-        scalars = jnp.asarray([f(1 - self.B1), f(self.B1), f(1 - self.B2), f(self.B2),
-                               f(self.EPS), r1, r2, f(self.WD), f(self.LR)])
+        super().__init__(state)
+        cpu = jax.devices("cpu")[0]
+        self.call = call
+        self.state = [jax.device_put(x, cpu) for x in _state_words(state)]
+        self.grad = jax.device_put(np.asarray(grads["w"]), cpu)
+        self()
+        self.first = (*(np.asarray(x) for x in self.state), bf16_words(self.out))
+
+    def __call__(self) -> float:
+        scalars = jnp.asarray(self.scalars())
         grad = jnp.copy(self.grad).block_until_ready()  # donated, as each step's arrives
         t0 = time.perf_counter()
-        *self.state, out = self.call(scalars, *self.state, grad)
-        jax.block_until_ready((self.state, out))
-        dt = time.perf_counter() - t0
-        self.out_words = bf16_words(out)
-        return dt
+        *self.state, self.out = self.call(scalars, *self.state, grad)
+        jax.block_until_ready((self.state, self.out))
+        return time.perf_counter() - t0
 
 
 def fused_check(fused: Fused, eng, state, grads) -> dict:
@@ -320,8 +327,9 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
             if i:
                 times[k].append(t)
     pool.shutdown()
-    for name, f in fused.items():
-        checks[name] = fused_check(f, eng, eng.init(jax.random.key(0), BATCH), grads)
+    if fused:
+        fresh = eng.init(jax.random.key(0), BATCH)  # the state each pass started from
+        checks |= {name: fused_check(f, eng, fresh, grads) for name, f in fused.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     copy = {k: moved / med["copy", k] for k in copies}
     best = max(copy.values())
@@ -339,11 +347,7 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
 
 
 def has_numba() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("numba") is not None
 
 
 def table(res: dict) -> str:
