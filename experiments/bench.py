@@ -191,7 +191,8 @@ def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
         if n < 4 or n % 2:
             raise ValueError(f"hpZ needs a replica axis: an even N >= 4 devices (got {n})")
         mesh = zj.make_mesh(data=n // 2, replica=2, devices=list(mesh.devices.flat))
-    engine = zj.Engine(model, optax.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
+    # zerojax.adamw is optax.adamw, whose host update an offloaded engine fuses
+    engine = zj.Engine(model, zj.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
                        owners=owners)
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)

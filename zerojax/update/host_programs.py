@@ -12,10 +12,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.step import _refresh, learning_rate, local_grads, settle
+from zerojax.update.fused import for_update
 
 
 class HostPrograms:
-    """`HostOffload`'s programs: it gives `engine`, `mesh` (the host mesh), `k`,
+    """`HostOffload`'s programs: it gives `engine`, `mesh` (the host mesh), `k`, `fraction`,
     `device_part`, `by_home`, `on_devices`, `split` and `shardings`."""
 
     def _cached(self, key, build):
@@ -54,19 +55,24 @@ class HostPrograms:
 
         return self._cached("grads", build)
 
-    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False):
+    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False,
+                   fused: bool = False):
         """`(scalars, master, optimizer state, gradient) -> (master, optimizer state, shards,
         {"lr"?})`. `finite`: whether the scalars hold a flag that skips the update (dynamic
         loss scaling's, or a pending update's `ok`); `donate`: the master and optimizer state
-        donated, and with `grads_too` the gradient, whose buffer then takes the shards."""
+        donated, and with `grads_too` the gradient, whose buffer then takes the shards;
+        `fused`: the update as `fused()` gives it (a zerojax.adamw's one pass per leaf), not
+        as the planned program of the step's `ShardedUpdate`."""
         eng = self.engine
 
         def build():
             _, reduced, shards, full = self._specs()
             specs = eng._manual_specs()
+            run = self.fused()[0] if fused else None
 
             def body(plan, scalars, master, opt_state, grads):
-                master, opt_state, shards = plan.update((grads, *scalars), opt_state, master)
+                master, opt_state, shards = (run or plan.update)((grads, *scalars), opt_state,
+                                                                 master)
                 lr = learning_rate(opt_state)
                 return master, opt_state, shards, ({} if lr is None else {"lr": lr})
 
@@ -83,7 +89,18 @@ class HostPrograms:
                            out_shardings=(self.shardings(full.master),
                                           self.shardings(full.opt_state), None, None))
 
-        return self._cached(("update", donate, finite, grads_too), build)
+        return self._cached(("update", donate, finite, grads_too, fused), build)
+
+    def fused(self):
+        """(the host update as a zerojax.adamw's fused pass (fused.py), or None, and why
+        not), made once per plan."""
+        def build():
+            if self.fraction < 1:
+                return None, ("Twin-Flow (offload_fraction < 1) splits the update between "
+                              "the host and the devices by leaves")
+            return for_update(self.engine.plan.update.optimizer, self.engine.plan.update)
+
+        return self._cached("fused", build)
 
     def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool,
                   host_parts: int | None = None):
@@ -179,5 +196,6 @@ class HostPrograms:
                             [x for x, s in zip(opt, sharded) if not s],
                             [master[i] for i in part.params], [opt[j] for j in part.owned],
                             [g[i] for i in part.params])
-        return self._update_fn(True, reduced[3] is not None, same).lower(
+        fused = self.fused()[0] is not None
+        return self._update_fn(True, reduced[3] is not None, same, fused).lower(
             reduced[1:], state.master, state.opt_state, reduced[0])
