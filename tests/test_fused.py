@@ -39,7 +39,8 @@ def _ulps(a, b):
     return np.abs(order(a) - order(b))
 
 
-PARAMS = {"w": (300, 7), "b": (7,), "e": (50, 13)}
+# "w" is several of the pass's blocks (16 k elements at least), which the pool's threads claim
+PARAMS = {"w": (600, 100), "b": (100,), "e": (50, 13)}
 
 
 def _state(optimizer, gdtype, count=3):
@@ -121,8 +122,9 @@ def test_the_fused_pass_gives_optax_adamws_update(gdtype, out):
     master, opt, grads = _state(half, gdtype)
     reduced = (grads, jnp.float32(3.0), jnp.float32(2.0), None, jnp.float32(0))
     wrong = jax.jit(lambda r, o, p: _fused(half, how)(r, o, p))(reduced, opt, master)[0]
-    moved = np.abs(np.asarray(ref_m["w"]) - np.asarray(master["w"])).max()
-    assert np.abs(np.asarray(wrong["w"]) - np.asarray(ref_m["w"])).max() > 1e-3 * moved
+    ref, moved = np.asarray(ref_m["w"]), np.abs(np.asarray(ref_m["w"]) - master["w"]).max()
+    off = np.abs(np.asarray(wrong["w"]) - ref) > np.spacing(np.abs(ref)) + 1e-6 * moved
+    assert off.mean() > 0.5  # the bound the right pass meets, missed on most elements
 
 
 def test_only_zerojax_adamw_is_fused():

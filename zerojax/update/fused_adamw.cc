@@ -8,10 +8,12 @@
 // step's scalars come in computed by the program (fused.py), so a skipped step (`ok` 0) only
 // writes the compute shard of the unchanged master.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 
 #include "xla/ffi/api/ffi.h"
@@ -71,27 +73,42 @@ void Block(const Step& s, float* __restrict p, float* __restrict m, float* __res
   }
 }
 
-// Runs body(lo, hi) over [0, n) in blocks on the pool's threads and this one; returns when all
-// are done.
-template <typename F>
-void Parallel(ffi::ThreadPool& pool, int64_t n, F body) {
-  const int64_t tasks = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per = std::max<int64_t>(((n + tasks - 1) / tasks + 15) / 16 * 16, 1 << 14);
+// Runs body(lo, hi) over [0, n) in blocks, claimed one at a time by this thread and by tasks
+// on the pool's threads; returns when every block is done. This thread claims blocks until
+// none is left and then waits only for blocks other threads have started, so it never waits
+// on a task the pool has not run (the call itself may hold one of the pool's threads). A task
+// that starts after the last claim returns at once: it shares only `Blocks`, kept alive by it.
+struct Blocks {
+  std::atomic<int64_t> next{0}, done{0};
   std::mutex mu;
   std::condition_variable cv;
-  int64_t left = 0;
-  for (int64_t lo = per; lo < n; lo += per) ++left;
-  for (int64_t lo = per; lo < n; lo += per) {
-    const int64_t hi = std::min(n, lo + per);
-    pool.Schedule([&, lo, hi] {
-      body(lo, hi);
-      std::lock_guard<std::mutex> l(mu);
-      if (--left == 0) cv.notify_one();
-    });
+};
+
+template <typename F>
+void Parallel(ffi::ThreadPool& pool, int64_t n, F body) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(((n + 4 * threads - 1) / (4 * threads) + 15) / 16 * 16,
+                                        int64_t{1} << 14);
+  const int64_t count = (n + per - 1) / per;
+  if (count <= 1) {
+    body(0, n);
+    return;
   }
-  body(0, std::min(n, per));
-  std::unique_lock<std::mutex> l(mu);
-  cv.wait(l, [&] { return left == 0; });
+  auto blocks = std::make_shared<Blocks>();
+  auto claim = [blocks, count, per, n](auto& run) {
+    for (int64_t i; (i = blocks->next.fetch_add(1)) < count;) {
+      run(i * per, std::min(n, (i + 1) * per));
+      if (blocks->done.fetch_add(1) + 1 == count) {
+        std::lock_guard<std::mutex> l(blocks->mu);
+        blocks->cv.notify_all();
+      }
+    }
+  };
+  for (int64_t t = 0; t < std::min(threads, count - 1); ++t)
+    pool.Schedule([claim, body]() mutable { claim(body); });
+  claim(body);
+  std::unique_lock<std::mutex> l(blocks->mu);
+  blocks->cv.wait(l, [&] { return blocks->done.load() == count; });
 }
 
 template <typename G, typename O>
