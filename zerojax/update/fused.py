@@ -10,9 +10,10 @@ XLA's pool. Its arithmetic is optax's, in optax's order; the step's scalars (the
 scale and clip, the bias corrections, the learning rate of the schedule, the skip flag) are
 computed by the program around it, in jax, as optax computes them.
 
-Everything else runs `zerojax.adamw` as the optax.adamw it is: no offload, Twin-Flow
-(`offload_fraction` < 1), an optax.MultiSteps or chain around it, and a host without a C++
-compiler (the update then runs as XLA's program, and `Engine.host_update` says why).
+With Twin-Flow (`offload_fraction` < 1) the host's share of the leaves runs so, the devices'
+share as the planned program. Everything else runs `zerojax.adamw` as the optax.adamw it is:
+no offload, an optax.MultiSteps or chain around it, and a host without a C++ compiler (the
+update then runs as XLA's program, and `Engine.host_update` says why).
 
 The custom call is built at first use with the host's compiler (`CXX`, default g++) for this
 CPU, into `$ZEROJAX_CACHE` (default `~/.cache/zerojax`), keyed by the source, jax's version,
@@ -153,9 +154,10 @@ def _leafwise(tree, params) -> list:
 
 
 class FusedAdamW:
-    """The step's update (`update.step_update` of a `zerojax.adamw`) over flat shards, as
-    `ShardedUpdate.__call__` runs it inside the host update's shard_map: each leaf one call of
-    the fused pass."""
+    """The step's update (`update.step_update` of a `zerojax.adamw`) over flat shards, as the
+    host update's shard_map runs it: each leaf one call of the fused pass. Whole (`__call__`,
+    in place of `ShardedUpdate.__call__`) or for some params (`part`, Twin-Flow's host share
+    in place of a part's program, parts.py)."""
 
     def __init__(self, spec: AdamWSpec, update):
         self.spec, self.how = spec, update.how
@@ -166,57 +168,72 @@ class FusedAdamW:
         else:
             mask = spec.mask(logical) if callable(spec.mask) else spec.mask
             self.decay = _leafwise(mask, logical)
+        # where optax.adamw's state keeps each thing, as indices into its leaves
+        self.state_def = update.state_def
+        adam, _, rate = jax.tree.unflatten(self.state_def, range(self.state_def.num_leaves))
+        self.count, self.mu, self.nu = adam.count, jax.tree.leaves(adam.mu), jax.tree.leaves(
+            adam.nu)
+        self.rate = rate.count if callable(spec.learning_rate) else None
 
-    def scalars(self, reduced, opt_state):
+    def _rows(self, scalars, state):
         """(float32[13] of the pass for a decayed leaf, the same for one without decay, the
-        new optimizer state without its moments)."""
+        new counts {state index: value}). `scalars`: (divisor, global norm, finite flag or
+        None, loss); `state`: the optimizer state's leaves by index (the counts at least)."""
         s = self.spec
-        _, denom, norm, finite, _ = reduced
-        adam, decay_state, rate = opt_state
+        denom, norm, finite, _ = scalars
         scale = 1 / denom
         if self.how.clip_norm is not None:
             c = jnp.float32(self.how.clip_norm)
             scale = jnp.where(norm < c, scale, scale / norm * c)
-        count = optax.safe_increment(adam.count)
+        old = {self.count: state[self.count]}
+        count = optax.safe_increment(old[self.count])
         # the reciprocals of optax.tree.bias_correction's 1 - decay**count: the engine's
         # program multiplies by them (XLA rewrites its divide by a broadcast scalar so)
         r1, r2 = 1 / (1 - s.b1 ** count), 1 / (1 - s.b2 ** count)
-        if callable(s.learning_rate):  # scale_by_learning_rate's schedule: -1 * lr(count)
-            lr = jnp.asarray(-1 * s.learning_rate(rate.count), jnp.float32)
-            rate = rate._replace(count=optax.safe_increment(rate.count))
+        new = {self.count: count}
+        if self.rate is not None:  # scale_by_learning_rate's schedule: -1 * lr(count)
+            old[self.rate] = state[self.rate]
+            lr = jnp.asarray(-1 * s.learning_rate(old[self.rate]), jnp.float32)
+            new[self.rate] = optax.safe_increment(old[self.rate])
         else:
             lr = jnp.float32(-1 * s.learning_rate)
         ok = jnp.ones((), jnp.bool_) if finite is None else finite
+        if finite is not None:  # a skipped step leaves the counts as they were
+            new = {j: jnp.where(ok, x, old[j]) for j, x in new.items()}
         f = jnp.float32
         row = lambda decay: jnp.stack([
             f(1 - s.b1), f(s.b1), f(1 - s.b2), f(s.b2), f(s.eps), f(s.eps_root),
             r1.astype(f), r2.astype(f), f(s.weight_decay), f(decay), lr,
             scale.astype(f), ok.astype(f)])
-        if finite is not None:  # a skipped step leaves the counts as they were
-            keep = lambda new, old: jnp.where(ok, new, old)
-            count = keep(count, adam.count)
-            if callable(s.learning_rate):
-                rate = rate._replace(count=keep(rate.count, opt_state[2].count))
-        return row(1.0), row(0.0), (adam._replace(count=count), decay_state, rate)
+        return row(1.0), row(0.0), new
 
-    def __call__(self, reduced, opt_state, master):
-        """This device's (new master, new optimizer state, new compute-dtype shards)."""
-        grads = jax.tree.leaves(reduced[0])
-        decayed, plain, (adam, decay_state, rate) = self.scalars(reduced, opt_state)
-        leaves = zip(jax.tree.leaves(master), jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
-                     grads, self.decay, strict=True)
+    def part(self, params, scalars, state, master, grads):
+        """The update of the params `params` (indices): (their new master leaves, the new
+        optimizer-state leaves they own and the counts {state index: value}, their
+        compute-dtype shards). `state`: the state's leaves by index, theirs and the counts."""
+        decayed, plain, new = self._rows(scalars, state)
         out = jnp.dtype(self.how.out_dtype)
-        new = []
-        for p, m, v, g, decay in leaves:
+        ps, shards = [], []
+        for i, p, g in zip(params, master, grads, strict=True):
             f32 = jax.ShapeDtypeStruct(p.shape, jnp.float32)
             aliases = {1: 0, 2: 1, 3: 2} | ({4: 3} if g.dtype == out else {})
             call = jax.ffi.ffi_call(TARGET, (f32, f32, f32, jax.ShapeDtypeStruct(p.shape, out)),
                                     input_output_aliases=aliases)
-            new.append(call(decayed if decay else plain, p, m, v, g))
-        ps, ms, vs, shards = (list(x) for x in zip(*new, strict=True)) if new else ([],) * 4
-        tree = lambda like, xs: jax.tree.unflatten(jax.tree.structure(like), xs)
-        adam = adam._replace(mu=tree(adam.mu, ms), nu=tree(adam.nu, vs))
-        return tree(master, ps), (adam, decay_state, rate), shards
+            p, new[self.mu[i]], new[self.nu[i]], shard = call(
+                decayed if self.decay[i] else plain, p, state[self.mu[i]], state[self.nu[i]], g)
+            ps.append(p)
+            shards.append(shard)
+        return ps, new, shards
+
+    def __call__(self, reduced, opt_state, master):
+        """This device's (new master, new optimizer state, new compute-dtype shards), as
+        `ShardedUpdate.__call__` gives them."""
+        grads, *scalars = reduced
+        leaves = jax.tree.leaves(opt_state)
+        ps, new, shards = self.part(range(len(self.decay)), scalars, dict(enumerate(leaves)),
+                                    jax.tree.leaves(master), jax.tree.leaves(grads))
+        opt = jax.tree.unflatten(self.state_def, [new.get(j, x) for j, x in enumerate(leaves)])
+        return jax.tree.unflatten(jax.tree.structure(master), ps), opt, shards
 
 
 def for_update(optimizer, update) -> tuple[FusedAdamW | None, str]:

@@ -303,7 +303,8 @@ class HostOffload(HostPrograms):
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
-        if self.fused()[0] is not None:  # one pass per leaf, on every thread: no parts
+        fused = self.fused()[0] is not None
+        if fused and not self.split()[0]:  # one pass per leaf, on every thread: no parts
             self._order = []
             fn = self._update_fn(donate, finite, same, fused=True)
             return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
@@ -319,7 +320,10 @@ class HostOffload(HostPrograms):
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
-        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same)
+        # with the fused pass, the host's leaves in one part (the pass runs on every thread)
+        fused = self.fused()[0] is not None
+        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same,
+                               host_parts=1 if fused else None, fused=fused)
         sharded = self.engine.plan.update.sharded
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)
