@@ -500,7 +500,8 @@ def _prepare(make) -> Variant:
         twin = twin_flow_bytes(v.engine)
         v.memory |= {"host_state_bytes": state_bytes_split(v.engine, v.state,
                                                            jax.devices()[0])[1],
-                     "host_peak_bytes": host_update_peak(v.engine), "twin_flow_bytes": twin}
+                     "host_peak_bytes": host_update_peak(v.engine), "twin_flow_bytes": twin,
+                     "host_update": v.engine.host_update}  # "fused", or "xla: <why not>"
         if twin and "device_peak_bytes" in v.memory:
             v.memory["device_peak_bytes"] += twin
             v.memory["peak_bytes"] += twin

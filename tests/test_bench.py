@@ -61,6 +61,7 @@ def test_every_variant_reports_positive_ratios(run):
         assert off["device_peak_bytes"] == off["peak_bytes"]
         assert off["device_peak_bytes"] < variants["stage3"]["device_peak_bytes"]
         assert off["host_state_bytes"] < off["host_peak_bytes"] < 1.25 * off["host_state_bytes"]
+        assert off["host_update"] == "fused"  # zerojax.adamw's pass (g++ is here)
     for name, v in variants.items():
         if v["status"] != "ok":
             assert v["status"] == "n/a" and v["reason"], name
@@ -402,7 +403,7 @@ def test_gpu_bench_offload_search_starts_at_the_plans_prediction(tmp_path, monke
     monkeypatch.setattr(gb, "_probe", lambda args, out, shape, variant: {
         "shape": shape, "num_params": 1, "ok": shape == start, "peak_bytes": 1,
         "host_state_bytes": 100, "host_peak_bytes": 110, "split": "measured",
-        "host_rss_peak_bytes": 2e9, "reason": "RESOURCE_EXHAUSTED"})
+        "host_update": "fused", "host_rss_peak_bytes": 2e9, "reason": "RESOURCE_EXHAUSTED"})
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_gb))
     args = gb.parse_args(["--devices", "1", "--largest-variants", "stage3_offload",
                           "--host-memory", "125e9"])
@@ -414,7 +415,7 @@ def test_gpu_bench_offload_search_starts_at_the_plans_prediction(tmp_path, monke
     assert (lg["host_memory_for_estimate"], lg["pinned_limit"]) == (125e9, pinned_gb << 30)
     md = gb.markdown({"largest": lg})
     assert f"| stage 3 + offload | {start} | {start} | 1 | 1 B (+ 100 B host; host peak 110 B, " \
-           f"1.10× the state) | 2.00 GB |" in md
+           f"1.10× the state; host update fused) | 2.00 GB |" in md
 
 
 def test_gpu_bench_script_finds_the_project_venv(tmp_path):
