@@ -191,7 +191,8 @@ def zero_variant(name, model, mesh, args, host_batch, stage, prefetch=False,
         if n < 4 or n % 2:
             raise ValueError(f"hpZ needs a replica axis: an even N >= 4 devices (got {n})")
         mesh = zj.make_mesh(data=n // 2, replica=2, devices=list(mesh.devices.flat))
-    engine = zj.Engine(model, optax.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
+    # zerojax.adamw is optax.adamw, whose host update an offloaded engine fuses
+    engine = zj.Engine(model, zj.adamw(LR) if own_clip else plain_tx(args), mesh, cfg,
                        owners=owners)
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)
@@ -499,7 +500,8 @@ def _prepare(make) -> Variant:
         twin = twin_flow_bytes(v.engine)
         v.memory |= {"host_state_bytes": state_bytes_split(v.engine, v.state,
                                                            jax.devices()[0])[1],
-                     "host_peak_bytes": host_update_peak(v.engine), "twin_flow_bytes": twin}
+                     "host_peak_bytes": host_update_peak(v.engine), "twin_flow_bytes": twin,
+                     "host_update": v.engine.host_update}  # "fused", or "xla: <why not>"
         if twin and "device_peak_bytes" in v.memory:
             v.memory["device_peak_bytes"] += twin
             v.memory["peak_bytes"] += twin

@@ -366,6 +366,8 @@ def _peak(r: dict) -> str:
         if r.get("host_peak_bytes"):
             text += (f"; host peak {_size(r['host_peak_bytes'])}, "
                      f"{r['host_peak_bytes'] / r['host_state_bytes']:.2f}× the state")
+        if r.get("host_update"):  # the fused pass, or the program and why
+            text += f"; host update {r['host_update']}"
         text += ")"
     return text
 

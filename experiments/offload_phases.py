@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from offload_overlap import write_json  # noqa: E402
@@ -76,7 +75,7 @@ def engine(preset: str, batch: int, delayed: int | None):
     mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
     cfg = zj.ZeroConfig(stage=3, param_dtype="bfloat16", remat=True, clip_norm=1.0,
                         offload="optimizer", delayed_update=delayed)
-    eng = zj.Engine(model, optax.adamw(1e-4), mesh, cfg)
+    eng = zj.Engine(model, zj.adamw(1e-4), mesh, cfg)
     tokens = np.random.default_rng(0).integers(
         0, model.cfg.vocab_size, (batch, model.cfg.seq_len + 1), dtype=np.int32)
     data = put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
@@ -278,7 +277,7 @@ def parity(preset: str = "test", steps: int = 4) -> float:
     batches = [put_batch({"inputs": t[:, :-1], "targets": t[:, 1:]}, mesh) for t in tokens]
     out = []
     for offload in (None, "optimizer"):
-        eng = zj.Engine(model, optax.adamw(1e-3), mesh,
+        eng = zj.Engine(model, zj.adamw(1e-3), mesh,
                         zj.ZeroConfig(stage=3, clip_norm=1.0, offload=offload))
         state = eng.init(jax.random.key(0), batches[0])
         start = eng.params(state)

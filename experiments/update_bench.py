@@ -14,9 +14,9 @@ threads, so one device's update of a large leaf runs on a few cores however many
 while K partitions run at once. What a host mesh of several CPU devices per accelerator would
 gain, measured before it is built (docs/performance.md).
 
-With numba installed, the same AdamW also runs as one pass over the state (`fused_adamw.py`:
-each byte read and written once, in place, on every core), on a copy of the same state, its
-numbers checked against the engine's update: what a fused update would gain.
+The same AdamW as `zerojax.adamw` runs as the engine's fused host update (one pass per leaf,
+each byte read and written once, in place, on every core: zerojax/update/fused.py), on a
+state of its own, its numbers checked against the XLA program's update of the same state.
 
     .venv/bin/python experiments/update_bench.py --params 50e6
     .venv/bin/python experiments/update_bench.py --params 302e6 --host-devices 1 2 4 8
@@ -25,7 +25,6 @@ numbers checked against the engine's update: what a fused update would gain.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -85,9 +84,12 @@ def _scalars(eng) -> tuple:
 
 def update_fn(eng, donate: bool = True):
     """`(master, opt_state, grads) -> (master, opt_state, compute shards)`: the step's
-    offloaded update alone (no clipping; a finite step), the engine's own host program, the
-    host state donated if `donate`. `grads` on the engine's host mesh."""
-    fn = eng._offload._update_fn(donate, False)
+    offloaded update alone (no clipping; a finite step), the engine's own host program (the
+    fused pass of a zerojax.adamw), the host state donated if `donate`, and then the gradient
+    too where it has the compute dtype (its buffer takes the shards), as the step donates it.
+    `grads` on the engine's host mesh."""
+    fused = eng._offload.fused()[0] is not None
+    fn = eng._offload._update_fn(donate, False, donate, fused=fused)
     scalars = _scalars(eng)
 
     def run(master, opt_state, grads):
@@ -109,107 +111,35 @@ def cpu_backend_fn(optimizer, dtype):
 
 
 
-class AdamWPass:
-    """The one-pass AdamW's step as `Threaded` times it (() -> seconds), over its own copy of
-    `state`'s master and moments; `first` is its first step's (master, mu, nu, compute shard
-    words), to check against the engine's update of the same state and gradient."""
+def fused_check(fused_eng, eng, grads) -> dict:
+    """The fused update's first step against the XLA program's, each from its engine's fresh
+    state (the same init) and the same gradient: of master, moments and compute shard, the
+    share of elements that differ and the largest difference in units in the last place."""
+    def first(e):
+        state = e.init(jax.random.key(0), BATCH)
+        g = jax.tree.map(jnp.copy, grads)  # donated
+        master, opt, shards = update_fn(e)(state.master, state.opt_state, g)
+        return [np.asarray(x).view(np.uint32 if x.dtype == jnp.float32 else np.uint16)
+                .astype(np.int64) for x in jax.tree.leaves((master, opt[0].mu, opt[0].nu,
+                                                            shards))]
 
-    B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-3  # optax.adamw(1e-3, weight_decay=0.1)
-
-    def __init__(self, state):
-        self.step = int(state.opt_state[0].count)
-        self._correction = jax.jit(lambda d, t: 1 / (1 - d ** t))
-
-    def scalars(self) -> tuple:
-        """The next step's float32 scalars, as the pass takes them: a1 b1 a2 b2 eps r1 r2 wd
-        lr (1 - b rounded from float64, as optax writes it; the reciprocals of the bias
-        corrections, as XLA computes them)."""
-        self.step += 1
-        r1, r2 = (np.float32(self._correction(d, jnp.int32(self.step))) for d in (self.B1, self.B2))
-        f = np.float32
-        return (f(1 - self.B1), f(self.B1), f(1 - self.B2), f(self.B2), f(self.EPS), r1, r2,
-                f(self.WD), f(self.LR))
-
-
-def _state_words(state):
-    """(master, mu, nu) of a one-leaf model's state as float32 numpy copies."""
-    adam = state.opt_state[0]
-    return [np.array(x["w"], np.float32) for x in (state.master, adam.mu, adam.nu)]
-
-
-class Fused(AdamWPass):
-    """`fused_adamw.adamw_bf16` (numba) on numpy copies of the state."""
-
-    def __init__(self, state, grads):
-        from fused_adamw import bf16_words
-
-        super().__init__(state)
-        self.master, self.mu, self.nu = _state_words(state)
-        self.g = bf16_words(grads["w"])
-        self.out = np.empty_like(self.g)
-        self()
-        self.first = tuple(x.copy() for x in (self.master, self.mu, self.nu, self.out))
-
-    def __call__(self) -> float:
-        from fused_adamw import adamw_bf16
-
-        scalars = self.scalars()
-        t0 = time.perf_counter()
-        adamw_bf16(self.master, self.mu, self.nu, self.g, self.out, *scalars)
-        return time.perf_counter() - t0
-
-
-class FusedCall(AdamWPass):
-    """The same pass as an XLA:CPU custom call (`fused_adamw.custom_call`), on the CPU backend,
-    its state and a fresh copy of the gradient donated and aliased, as the engine's update
-    would run it."""
-
-    def __init__(self, state, grads, call):
-        from fused_adamw import bf16_words
-
-        super().__init__(state)
-        cpu = jax.devices("cpu")[0]
-        self.call = call
-        self.state = [jax.device_put(x, cpu) for x in _state_words(state)]
-        self.grad = jax.device_put(np.asarray(grads["w"]), cpu)
-        self()
-        self.first = (*(np.asarray(x) for x in self.state), bf16_words(self.out))
-
-    def __call__(self) -> float:
-        scalars = jnp.asarray(self.scalars())
-        grad = jnp.copy(self.grad).block_until_ready()  # donated, as each step's arrives
-        t0 = time.perf_counter()
-        *self.state, self.out = self.call(scalars, *self.state, grad)
-        jax.block_until_ready((self.state, self.out))
-        return time.perf_counter() - t0
-
-
-def fused_check(fused: Fused, eng, state, grads) -> dict:
-    """The fused pass's first step against the engine's update of the same state: of master,
-    moments and compute shard, the share of elements that differ and the largest difference
-    in units in the last place."""
-    from fused_adamw import bf16_words
-
-    master, opt, shards = update_fn(eng, donate=False)(state.master, state.opt_state, grads)
-    engine = (np.asarray(master["w"]), np.asarray(opt[0].mu["w"]), np.asarray(opt[0].nu["w"]),
-              bf16_words(jax.tree.leaves(shards)[0]))
-    ulps = lambda a, b: np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32)) \
-        if a.dtype == np.float32 else np.abs(a.astype(np.int64) - b)
-    d = [ulps(a, b) for a, b in zip(fused.first, engine)]
+    d = [np.abs(a - b) for a, b in zip(first(fused_eng), first(eng), strict=True)]
     return {"differ": sum(int(np.count_nonzero(x)) for x in d) / sum(x.size for x in d),
             "max_ulps": max(int(x.max()) for x in d)}
 
 
 class Threaded:
     """A callable that runs `fn` on its state and returns the seconds it took (state threaded
-    through each call, as the step threads it)."""
+    through each call, as the step threads it); with `fresh`, `fn` also takes `fresh()`, made
+    before the clock starts (a gradient the update donates, as each step's arrives)."""
 
-    def __init__(self, fn, *state):
-        self.fn, self.state = fn, state
+    def __init__(self, fn, *state, fresh=None):
+        self.fn, self.state, self.fresh = fn, state, fresh
 
     def __call__(self) -> float:
+        extra = () if self.fresh is None else (jax.block_until_ready(self.fresh()),)
         t0 = time.perf_counter()
-        *self.state, out = self.fn(*self.state)
+        *self.state, out = self.fn(*self.state, *extra)
         jax.block_until_ready((self.state, out))
         return time.perf_counter() - t0
 
@@ -240,7 +170,7 @@ def traffic(eng, state, grads) -> int:
     fusions, one per output (XLA:CPU fuses no two outputs into one loop): the two moments
     (each reads the gradient), the master (reads both new moments) and the compute shard
     (reads the new master): 42 bytes a param against 28."""
-    fn = eng._offload._update_fn(True, False)
+    fn = eng._offload._update_fn(True, False, True)
     cost = fn.lower(_scalars(eng), state.master, state.opt_state, grads).compile()
     return int(cost.cost_analysis()["bytes accessed"]) * eng.host_mesh.size
 
@@ -269,13 +199,27 @@ def gradient_of(eng, state):
                           jax.tree.map(lambda m: m.sharding, state.master))
 
 
+def _engine_timer(eng, state, grads, donate: bool = True) -> Threaded:
+    """The engine's update of `state` as the step runs it, each call on a fresh copy of
+    `grads` when it donates them."""
+    fn = update_fn(eng, donate=donate)
+    if not donate:
+        return Threaded(lambda m, o: fn(m, o, grads), state.master, state.opt_state)
+    return Threaded(fn, state.master, state.opt_state,
+                    fresh=lambda: jax.tree.map(jnp.copy, grads))
+
+
+FUSED = "fused (zerojax.adamw)"
+
+
 def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bfloat16",
             host_devices=()) -> dict:
-    """The offloaded AdamW update of `params` elements (donated, and not; and the same AdamW
-    as a donated program of the CPU backend; and donated with its state over K CPU devices
-    for each K of `host_devices`) against a one-thread and an all-core `np.copyto` of the same
-    bytes (read + written), in this process. Round-robin: each repeat times every one once, so
-    load drift on a shared machine hits all alike; medians over the repeats."""
+    """The offloaded AdamW update of `params` elements: the engine's program of optax.adamw
+    (donated, and not), the engine's fused pass of zerojax.adamw (donated), the same AdamW as
+    a donated program of the CPU backend, and the program donated with its state over K CPU
+    devices for each K of `host_devices`; against a one-thread and an all-core `np.copyto` of
+    the same bytes (read + written), in this process. Round-robin: each repeat times every
+    one once, so load drift on a shared machine hits all alike; medians over the repeats."""
     optimizer = optax.adamw(1e-3, weight_decay=0.1)
     eng, state = offload_engine(params, optimizer, param_dtype)
     dtype = DTYPES[param_dtype]
@@ -288,24 +232,16 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
               f"{cores} threads": copy_timer(moved // 2, cores, pool)}
     updates = {}
     for i, d in enumerate(donate):
-        fn = update_fn(eng, donate=d)
         if i:  # a state of its own: the first timer donates its state away
             state = eng.init(jax.random.key(0), BATCH)
-        updates["donated" if d else "not donated"] = Threaded(
-            lambda m, o, fn=fn: fn(m, o, grads), state.master, state.opt_state)
+        updates["donated" if d else "not donated"] = _engine_timer(eng, state, grads, d)
+    fused_eng, fused_state = offload_engine(params, zj.adamw(1e-3, weight_decay=0.1),
+                                            param_dtype)
+    why = fused_eng._offload.fused()[1]
+    checks = {FUSED: {"n/a": why} if why else fused_check(fused_eng, eng, grads)}
+    if not why:
+        updates[FUSED] = _engine_timer(fused_eng, fused_state, grads)
     updates["CPU-backend program"] = cpu_backend_timer(params, optimizer, dtype)
-    fused, checks = {}, {}
-    if has_numba() and param_dtype == "bfloat16":
-        from fused_adamw import custom_call
-
-        state = eng.init(jax.random.key(0), BATCH)  # the timers above donated theirs
-        fused["fused, one pass (numba)"] = Fused(state, grads)
-        call = custom_call()
-        if call is not None:
-            fused["fused, XLA custom call (C++)"] = FusedCall(state, grads, call)
-        else:
-            checks["fused, XLA custom call (C++)"] = {"n/a": custom_call.why}
-        updates |= fused
     bytes_of = dict.fromkeys(updates, moved)
     cpus = jax.devices("cpu")
     for k in host_devices:
@@ -314,8 +250,7 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
         e, s = offload_engine(params, optimizer, param_dtype, cpus[:k])
         g = gradient_of(e, s)
         name = f"over {k} CPU device{'s' if k > 1 else ''}"
-        fn = update_fn(e)
-        updates[name] = Threaded(lambda m, o, fn=fn, g=g: fn(m, o, g), s.master, s.opt_state)
+        updates[name] = _engine_timer(e, s, g)
         bytes_of[name] = state_bytes(e, s, g)  # the flat leaf padded to a multiple of k
         traffic_of[name] = traffic(e, s, g)
     timers = {**{("copy", k): v for k, v in copies.items()},
@@ -327,9 +262,6 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
             if i:
                 times[k].append(t)
     pool.shutdown()
-    if fused:
-        fresh = eng.init(jax.random.key(0), BATCH)  # the state each pass started from
-        checks |= {name: fused_check(f, eng, fresh, grads) for name, f in fused.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     copy = {k: moved / med["copy", k] for k in copies}
     best = max(copy.values())
@@ -344,10 +276,6 @@ def measure(params: int, repeats: int = 5, donate=(True, False), param_dtype="bf
                           if k in traffic_of else {})
                        for k in updates},
             "fused_check": checks}
-
-
-def has_numba() -> bool:
-    return importlib.util.find_spec("numba") is not None
 
 
 def table(res: dict) -> str:
@@ -367,14 +295,12 @@ def table(res: dict) -> str:
         same = "bitwise" if not check["differ"] else (
             f"bitwise but {check['differ']:.2%} of the elements, within {check['max_ulps']} "
             f"unit(s) in the last place")
-        lines.append(f"  ({name} gives the engine's numbers: {same})")
-    if not has_numba():
-        lines.append("  (fused, one pass: n/a, numba is not installed)")
+        lines.append(f"  ({name} gives the XLA program's numbers: {same})")
     traffic = {k: r for k, r in res["update"].items() if "traffic_bytes" in r}
     if traffic:
         per = traffic["donated"]["traffic_bytes"] / res["params"]
-        lines.append(f"the engine's compiled update reads and writes {per:.1f} bytes a param "
-                     f"(XLA's cost analysis), at")
+        lines.append(f"the engine's compiled XLA program reads and writes {per:.1f} bytes a "
+                     f"param (XLA's cost analysis), at")
         for name, r in traffic.items():
             lines.append(f"  update, {name:<31} {gb(r['traffic_per_s']):>12}  "
                          f"({r['traffic_ratio_to_copy']:.2f}x the best copy)")

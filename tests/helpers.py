@@ -38,6 +38,14 @@ def adamw():
     return optax.adamw(LR, weight_decay=WD, eps=1e-6)
 
 
+def fused_adamw():
+    """`adamw()` as zerojax.adamw: the same optimizer, which an offloaded engine runs as one
+    fused pass on the host (zerojax/update/fused.py)."""
+    import zerojax as zj
+
+    return zj.adamw(LR, weight_decay=WD, eps=1e-6)
+
+
 def reference_run(model, optimizer, batches, clip=CLIP, rng=0):
     """Plain single-device optax on the global batches: (per-step losses, final params)."""
     tx = optax.chain(optax.clip_by_global_norm(clip), optimizer) if clip else optimizer

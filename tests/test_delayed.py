@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, assert_tree_close, engine_run, gpt_batch
+from helpers import CLIP, adamw, assert_tree_close, engine_run, fused_adamw, gpt_batch
 from test_model_axis import gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
@@ -125,10 +125,15 @@ RUNS = {"stage1": (2, dict(replica=2, data=2), dict(stage=1)),
         "axis": (1, dict(data=2, model=2), dict(stage=3))}
 
 
+# Runs whose host update is zerojax.adamw's fused pass (update/fused.py), the others optax's
+# program: the same reference for both, and the checkpoint test restores across the two.
+FUSED = {"stage3", "k0", "stage2", "axis"}
+
+
 def engine(name):
     k, mesh, cfg = RUNS[name]
-    return zj.Engine(gpt(), adamw(), zj.make_mesh(**mesh), zj.ZeroConfig(
-        offload="optimizer", delayed_update=k, clip_norm=CLIP, **cfg))
+    return zj.Engine(gpt(), fused_adamw() if name in FUSED else adamw(), zj.make_mesh(**mesh),
+                     zj.ZeroConfig(offload="optimizer", delayed_update=k, clip_norm=CLIP, **cfg))
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,7 @@ def runs(tmp_path_factory):
             eng, batches = engine(name), gpt_batches()
             state, r = eng.init(jax.random.key(0), batches[0]), dict(losses=[], norms=[],
                                                                      params=[])
+            assert (eng.host_update == "fused") == (name in FUSED), eng.host_update
             for t, b in enumerate(batches):
                 r["params"].append(eng.params(state))
                 if name == "stage3" and t == 2:

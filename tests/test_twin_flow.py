@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, check_parity, gpt_batch, sweep, tiny_gpt
+from helpers import CLIP, adamw, check_parity, fused_adamw, gpt_batch, sweep, tiny_gpt
 from jax.sharding import Mesh
 from test_offload import STACK_BATCH, TO_HOST, Stack, _cuda_step, _loop_bodies, learn_units
 from test_state import BATCHES, Norm
@@ -58,8 +58,12 @@ def test_a_share_stays_on_the_devices_with_single_device_optaxs_numbers(apart):
     offload's, the rest counted in the device peak."""
     mesh = zj.make_mesh(data=4, devices=apart)
     cfg = dict(stage=3, clip_norm=CLIP, offload="optimizer")
-    twin = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg, offload_fraction=0.5))
+    # the host's share as zerojax.adamw's fused pass (update/fused.py), the devices' as optax's
+    # program
+    twin = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
+                     zj.ZeroConfig(**cfg, offload_fraction=0.5))
     check_parity(twin)
+    assert twin.host_update == "fused" and "zerojax_adamw" in twin.lower_host_update().as_text()
     state = check_parity.state
     device, moments = twin._offload.split()
     assert 0 < len(device) < len(jax.tree.leaves(state.master))
@@ -89,7 +93,9 @@ def test_with_the_delayed_update_and_a_restore_twin_flow_is_full_offloads_run(ap
     mesh = zj.make_mesh(data=4, devices=apart)
     cfg = dict(stage=3, clip_norm=CLIP, offload="optimizer", delayed_update=1)
     full = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg))
-    twin = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(**cfg, offload_fraction=0.5))
+    # the host's share fused (zerojax.adamw), full offload's optax's program: the same run
+    twin = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
+                     zj.ZeroConfig(**cfg, offload_fraction=0.5))
     batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(4)]
     params = tiny_gpt().init(jax.random.key(0))
     l0, s0 = run(full, batches, params)

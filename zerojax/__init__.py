@@ -30,6 +30,7 @@ from zerojax.errors import (
 from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
 from zerojax.protocol import Model, Units
 from zerojax.state import TrainState
+from zerojax.update.fused import adamw
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "TrainState",
     "Units",
     "ZeroConfig",
+    "adamw",
     "batch_axes",
     "comm_estimate",
     "estimate",

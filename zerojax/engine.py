@@ -166,6 +166,17 @@ class Engine:
         devices); None without offload."""
         return None if self._offload is None else self._offload.mesh
 
+    @property
+    def host_update(self) -> str | None:
+        """With offload="optimizer", how the host runs the update: "fused" (a zerojax.adamw's
+        one pass per leaf, update/fused.py) or "xla: <why not fused>" (the step's planned
+        program); None without offload."""
+        if self._offload is None:
+            return None
+        self.layout  # noqa: B018 -- raises a clear error before init
+        fused, why = self._offload.fused()
+        return "fused" if fused is not None else f"xla: {why}"
+
     def host_part(self, state) -> tuple:
         """The parts of `state` (or of its abstract twin) that live on `host_mesh`: (master,
         optimizer state, pending update), the leaves Twin-Flow keeps on the devices None; ()

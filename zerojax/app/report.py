@@ -80,6 +80,13 @@ def startup_table(rows: list[tuple[str, str]], title: str) -> Table:
     return table
 
 
+def host_update_text(kind: str) -> str:
+    """`Engine.host_update` as the start-up table says it."""
+    if kind == "fused":
+        return "AdamW as one fused pass per leaf on every host core (in place)"
+    return f"the optimizer's XLA program on the host ({kind.removeprefix('xla: ')})"
+
+
 @dataclasses.dataclass(frozen=True)
 class RunEstimate:
     """A run's per-device model state by formula, and what that state holds."""

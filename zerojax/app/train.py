@@ -274,6 +274,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     console.print(report.startup_table(
         report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
         + report.model_rows(engine)
+        + ([("host update", report.host_update_text(engine.host_update))]
+           if engine.host_update else [])
         + report.memory_rows(estimate, measured, measured_host)
         + report.comm_rows(cfg, num_params, len(devices), split, model.cfg)
         + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.formula(model)}; "

@@ -13,7 +13,8 @@ interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan
 program.py (ops, rounds, fused collectives), owners.py and evaluate.py (owner regions),
 placement.py (which device owns which instance, balanced by FLOPs), exchange.py (a wave of
 owner groups as ops), offload.py, parts.py (the update as parts of disjoint leaves, for
-offload's host), presets.py (the command line's named optimizers and state sizes).
+offload's host), fused.py (zerojax.adamw: the offloaded host update as one fused pass per
+leaf), presets.py (the command line's named optimizers and state sizes).
 
 Optimizer state: a leaf that the update computes elementwise from the params or gradients is
 stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,

@@ -8,8 +8,9 @@ A step is three programs, dispatched in order and run asynchronously:
              (`step.per_unit`), in its reduction dtype (Twin-Flow's share stays in device
              memory, for the devices' update)
   update     host mesh: unscaling, clipping, optax and the loss-scale skip (the step's own
-             `ShardedUpdate`) on the donated master and optimizer state, so in place, one
-             partition per CPU device; out come the compute-dtype shards
+             `ShardedUpdate`; a zerojax.adamw's as one fused pass per leaf, fused.py) on
+             the donated master and optimizer state, so in place, one partition per CPU
+             device; out come the compute-dtype shards
   refresh    device mesh: the compute params from those shards (a cast at stage 3, one
              all_gather per layer at stages 1-2, into the donated compute params)
 
@@ -302,6 +303,11 @@ class HostOffload(HostPrograms):
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
+        fused = self.fused()[0] is not None
+        if fused and not self.split()[0]:  # one pass per leaf, on every thread: no parts
+            self._order = []
+            fn = self._update_fn(donate, finite, same, fused=True)
+            return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
         if self.split()[0] or len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
             return self._parted(scalars, state, grads, donate, same)
         fn = self._update_fn(donate, finite, same)
@@ -314,7 +320,10 @@ class HostOffload(HostPrograms):
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
-        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same)
+        # with the fused pass, the host's leaves in one part (the pass runs on every thread)
+        fused = self.fused()[0] is not None
+        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same,
+                               host_parts=1 if fused else None, fused=fused)
         sharded = self.engine.plan.update.sharded
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)

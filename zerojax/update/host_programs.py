@@ -12,10 +12,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.step import _refresh, learning_rate, local_grads, settle
+from zerojax.update.fused import for_update
 
 
 class HostPrograms:
-    """`HostOffload`'s programs: it gives `engine`, `mesh` (the host mesh), `k`,
+    """`HostOffload`'s programs: it gives `engine`, `mesh` (the host mesh), `k`, `fraction`,
     `device_part`, `by_home`, `on_devices`, `split` and `shardings`."""
 
     def _cached(self, key, build):
@@ -54,19 +55,24 @@ class HostPrograms:
 
         return self._cached("grads", build)
 
-    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False):
+    def _update_fn(self, donate: bool, finite: bool, grads_too: bool = False,
+                   fused: bool = False):
         """`(scalars, master, optimizer state, gradient) -> (master, optimizer state, shards,
         {"lr"?})`. `finite`: whether the scalars hold a flag that skips the update (dynamic
         loss scaling's, or a pending update's `ok`); `donate`: the master and optimizer state
-        donated, and with `grads_too` the gradient, whose buffer then takes the shards."""
+        donated, and with `grads_too` the gradient, whose buffer then takes the shards;
+        `fused`: the update as `fused()` gives it (a zerojax.adamw's one pass per leaf), not
+        as the planned program of the step's `ShardedUpdate`."""
         eng = self.engine
 
         def build():
             _, reduced, shards, full = self._specs()
             specs = eng._manual_specs()
+            run = self.fused()[0] if fused else None
 
             def body(plan, scalars, master, opt_state, grads):
-                master, opt_state, shards = plan.update((grads, *scalars), opt_state, master)
+                master, opt_state, shards = (run or plan.update)((grads, *scalars), opt_state,
+                                                                 master)
                 lr = learning_rate(opt_state)
                 return master, opt_state, shards, ({} if lr is None else {"lr": lr})
 
@@ -83,19 +89,29 @@ class HostPrograms:
                            out_shardings=(self.shardings(full.master),
                                           self.shardings(full.opt_state), None, None))
 
-        return self._cached(("update", donate, finite, grads_too), build)
+        return self._cached(("update", donate, finite, grads_too, fused), build)
+
+    def fused(self):
+        """(the host update as a zerojax.adamw's fused pass (fused.py), or None, and why
+        not), made once per plan."""
+        def build():
+            return for_update(self.engine.plan.update.optimizer, self.engine.plan.update)
+
+        return self._cached("fused", build)
 
     def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool,
-                  host_parts: int | None = None):
+                  host_parts: int | None = None, fused: bool = False):
         """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
         its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
         a program of its own: [(part, its program)]. A part runs on the host mesh, Twin-Flow's
         on the devices' (its gradient, state and shards in device memory). `donate` as
         `_update_fn`'s; a replicated state leaf (read by every part) is not donated.
-        `host_parts`: the host's leaves in at most this many parts (default: parts.py's)."""
+        `host_parts`: the host's leaves in at most this many parts (default: parts.py's);
+        `fused`: a host part as `fused()`'s pass over its params, not its planned program."""
         eng = self.engine
 
         def build():
+            run = self.fused()[0] if fused else None
             _, reduced, shards, full = self._specs()
             specs = eng._manual_specs()
             leaves = lambda tree: jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
@@ -113,6 +129,12 @@ class HostPrograms:
                          shared=shared, mine=mine):
                     state = dict(zip(shared, shared_, strict=True))
                     state.update(zip(part.owned, own, strict=True))
+                    if run is not None and not part.on_device:
+                        flag = (scalars[2],) if finite else (None,)
+                        ps, new, shards = run.part(part.params, (*scalars[:2], *flag,
+                                                                 scalars[-1]),
+                                                   state, master_, grads)
+                        return ps, [new[j] for j in mine], shards
                     outs = prog(*grads, *scalars, *(state[j] for j in sorted(state)), *master_)
                     k, j = len(part.params), len(part.params) + len(mine)
                     return outs[:k], outs[k:j], outs[j:]
@@ -133,8 +155,8 @@ class HostPrograms:
                                               None))))
             return out
 
-        return self._cached(("parts", donate, finite, tuple(gdtypes), grads_too, host_parts),
-                            build)
+        return self._cached(("parts", donate, finite, tuple(gdtypes), grads_too, host_parts,
+                             fused), build)
 
     def _refresh_fn(self, donate: bool):
         eng = self.engine
@@ -168,9 +190,10 @@ class HostPrograms:
         if not (self.engine.config.dynamic_scale or self.k is not None):
             reduced = (*reduced[:3], None, reduced[4])  # no flag: nothing skips the update
         same = plan.reduced_dtype == plan.dtype
+        fused = self.fused()[0] is not None
         if self.split()[0]:  # Twin-Flow: the host's leaves, as one program
             parts = self._parts_fn(True, reduced[3] is not None, tuple(
-                x.dtype for x in jax.tree.leaves(grads)), same, host_parts=1)
+                x.dtype for x in jax.tree.leaves(grads)), same, host_parts=1, fused=fused)
             ((part, fn),) = [(p, f) for p, f in parts if not p.on_device]
             master, opt, g = (jax.tree.leaves(t) for t in (state.master, state.opt_state,
                                                            grads))
@@ -179,5 +202,5 @@ class HostPrograms:
                             [x for x, s in zip(opt, sharded) if not s],
                             [master[i] for i in part.params], [opt[j] for j in part.owned],
                             [g[i] for i in part.params])
-        return self._update_fn(True, reduced[3] is not None, same).lower(
+        return self._update_fn(True, reduced[3] is not None, same, fused).lower(
             reduced[1:], state.master, state.opt_state, reduced[0])

@@ -19,6 +19,8 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from zerojax.update.fused import adamw
+
 OPTIMIZERS = ("adamw", "lion", "adafactor", "muon", "lamb", "sgd")
 
 HELP = {
@@ -98,7 +100,8 @@ def build(name: str, learning_rate, *, weight_decay: float = 0.0, decay: Rule = 
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     mask = by_leaf(decay)
     if name == "adamw":
-        return optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=mask)
+        # optax.adamw, which an offloaded engine runs as one fused pass (fused.py)
+        return adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=mask)
     if name == "lion":
         return optax.lion(learning_rate, b1=0.9, b2=0.99, weight_decay=weight_decay, mask=mask)
     if name == "adafactor":

@@ -1,0 +1,248 @@
+"""The offloaded AdamW update as one fused pass (zerojax/update/fused.py): optax.adamw's numbers,
+in place, with every feature of the offloaded step; and optax's own program where it cannot
+run."""
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    CLIP,
+    DEFAULT_BUFFERS,
+    LR,
+    WD,
+    assert_tree_close,
+    check_parity,
+    gpt_batch,
+    tiny_gpt,
+)
+from test_offload import Flat, _allocations, _entry, learn_units, runs
+from test_precision import BATCH as SEED_BATCH
+
+import zerojax as zj
+from zerojax.models import SeedMLP
+from zerojax.update import StepUpdate, step_update
+from zerojax.update import fused as fused_mod
+from zerojax.update.fused import FusedAdamW, spec_of
+
+
+def _ulps(a, b):
+    """Per element, how many representable values apart two float arrays of one dtype are."""
+    a, b = np.asarray(a), np.asarray(b)
+    bits = {4: np.int32, 2: np.int16}[a.dtype.itemsize]
+    order = lambda x: (lambda i: np.where(i < 0, np.iinfo(bits).min - i, i))(
+        x.view(bits).astype(np.int64))
+    return np.abs(order(a) - order(b))
+
+
+# "w" is several of the pass's blocks (16 k elements at least), which the pool's threads claim
+PARAMS = {"w": (600, 100), "b": (100,), "e": (50, 13)}
+
+
+def _state(optimizer, gdtype, count=3):
+    """Random master, moments of a few steps and a gradient of `gdtype`, as logical trees."""
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+    rand = lambda shape, scale=1.0, dtype=jnp.float32: (
+        jax.random.normal(next(keys), shape) * scale).astype(dtype)
+    master = {k: rand(s) for k, s in PARAMS.items()}
+    adam, *rest = optimizer.init(master)
+    adam = adam._replace(count=jnp.int32(count),
+                         mu={k: rand(s, 1e-2) for k, s in PARAMS.items()},
+                         nu={k: jnp.abs(rand(s, 1e-4)) for k, s in PARAMS.items()})
+    rest = [r._replace(count=jnp.int32(count)) if isinstance(r, optax.ScaleByScheduleState)
+            else r for r in rest]
+    grads = {k: rand(s, 1e-2, gdtype) for k, s in PARAMS.items()}
+    return master, (adam, *rest), grads
+
+
+def _fused(optimizer, how):
+    """The fused update of a zerojax.adamw over `PARAMS`, as the host program runs it."""
+    assert fused_mod.kernel() == (True, "")  # g++ is on this machine
+    logical = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in PARAMS.items()}
+    update = types.SimpleNamespace(how=how, logical_params=logical, state_def=jax.tree.structure(
+        jax.eval_shape(optimizer.init, logical)))
+    return FusedAdamW(spec_of(optimizer), update)
+
+
+@pytest.mark.parametrize("gdtype, out", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                         (jnp.float32, jnp.bfloat16), (jnp.float16, jnp.float16)])
+def test_the_fused_pass_gives_optax_adamws_update(gdtype, out):
+    """Against the step's update of the same optax.adamw (`update.step_update`, a program
+    XLA compiles) on a random state at count 3, with a clipped gradient (its scale), a
+    schedule, a weight-decay mask and eps_root: moments within one unit in the last place on
+    under 1 % of the elements (bitwise today), the master within one unit in the last place
+    plus 1e-6 of how far it moved (the pass multiplies by the bias corrections' reciprocals,
+    as XLA rewrites the engine's program; this program XLA left dividing: a rounding of the
+    step apart), and the compute shard exactly the new master in the compute dtype (as XLA
+    converts). A skipped step (a flag of 0) changes nothing and still writes the compute
+    shard. Negative control: a weight decay off by half."""
+    schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+    mask = lambda p: {"w": True, "b": False, "e": True}
+    how = StepUpdate(clip_norm=0.5, out_dtype=out, extra=False)
+
+    def both(optimizer, finite):
+        master, opt, grads = _state(optimizer, gdtype)
+        reduced = (grads, jnp.float32(3.0), jnp.float32(2.0), finite, jnp.float32(0))
+        ref = jax.jit(lambda r, o, m: step_update(optimizer, how, r, o, m))(reduced, opt, master)
+        run = _fused(optimizer, how)
+        mine = jax.jit(lambda r, o, m: run(r, o, m))(reduced, opt, master)
+        return ref, mine, (master, opt)
+
+    tx = zj.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, eps_root=1e-12, weight_decay=0.1,
+                  mask=mask)
+    (ref_m, ref_o, ref_s), (m, o, s), (before, _) = both(tx, None)
+    d = [_ulps(a, b) for a, b in zip(jax.tree.leaves((ref_o[0].mu, ref_o[0].nu)),
+                                      jax.tree.leaves((o[0].mu, o[0].nu)))]
+    assert max(int(x.max()) for x in d) <= 1
+    assert sum(int(np.count_nonzero(x)) for x in d) / sum(x.size for x in d) < 0.01
+    for k in PARAMS:
+        ref, mine = np.asarray(ref_m[k]), np.asarray(m[k])
+        moved = np.abs(ref - np.asarray(before[k])).max()
+        assert moved > 1e-5, k  # it moved
+        assert (np.abs(mine - ref) <= np.spacing(np.abs(ref)) + 1e-6 * moved).all(), k
+    for k, shard in zip(sorted(PARAMS), s):
+        np.testing.assert_array_equal(np.asarray(shard), np.asarray(m[k].astype(out)))
+    assert [x.dtype for x in s] == [jnp.dtype(out)] * 3
+    assert int(o[0].count) == int(ref_o[0].count) == 4
+    assert int(o[2].count) == int(ref_o[2].count) == 4  # the schedule's
+
+    # a skipped step: nothing moves, the counts stay, the shard is the master's
+    (_, _, ref_s), (m, o, s), (master, opt) = both(tx, jnp.bool_(False))
+    for a, b in zip(jax.tree.leaves((m, o)), jax.tree.leaves((master, opt))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(s, ref_s):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # negative control: the fused pass of a decay off by half, against the right one
+    half = zj.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, eps_root=1e-12, weight_decay=0.05,
+                    mask=mask)
+    master, opt, grads = _state(half, gdtype)
+    reduced = (grads, jnp.float32(3.0), jnp.float32(2.0), None, jnp.float32(0))
+    wrong = jax.jit(lambda r, o, p: _fused(half, how)(r, o, p))(reduced, opt, master)[0]
+    ref, moved = np.asarray(ref_m["w"]), np.abs(np.asarray(ref_m["w"]) - master["w"]).max()
+    off = np.abs(np.asarray(wrong["w"]) - ref) > np.spacing(np.abs(ref)) + 1e-6 * moved
+    assert off.mean() > 0.5  # the bound the right pass meets, missed on most elements
+
+
+def test_only_zerojax_adamw_is_fused():
+    """zerojax.adamw is optax.adamw (the same state, the same update without offload); an
+    optimizer wrapped around it, or optax.adamw itself, is not recognized."""
+    tx = zj.adamw(1e-3, weight_decay=0.1)
+    assert spec_of(tx).weight_decay == 0.1
+    assert spec_of(optax.adamw(1e-3)) is None and spec_of(optax.MultiSteps(tx, 2)) is None
+    assert spec_of(optax.chain(tx)) is None and spec_of(None) is None
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    g = {"w": jnp.ones((2, 3))}
+    a = tx.update(g, tx.init(params), params)[0]
+    b = optax.adamw(1e-3, weight_decay=0.1).update(g, tx.init(params), params)[0]
+    np.testing.assert_array_equal(a["w"], b["w"])
+    with pytest.raises(TypeError, match="b1 must be a float"):
+        zj.adamw(1e-3, b1=jnp.float32(0.9))
+
+
+def test_offload_with_the_fused_update_matches_single_device_optax():
+    """The test GPT at stage 3 on 4 devices with clipping, each unit's gradient sent to the host
+    in the backward: single-device optax.adamw's numbers (`check_parity`'s tolerances)."""
+    eng = zj.Engine(tiny_gpt(), zj.adamw(LR, weight_decay=WD, eps=1e-6), zj.make_mesh(data=4),
+                    zj.ZeroConfig(stage=3, clip_norm=CLIP, offload="optimizer"))
+    check_parity(eng)
+    assert eng.host_update == "fused" and "zerojax_adamw" in eng.lower_host_update().as_text()
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_fused_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
+    """fp16 loss scaling skips the first steps (their update leaves the host's master and
+    moments untouched, its counts too), clipping, grad_accum=2, replica 2 × data 2: the fused
+    run against the same run with optax.adamw's program on the host, to the last bits (as
+    offload against no offload, test_offload.py)."""
+    mesh = zj.make_mesh(data=2, replica=2)
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    cfg = dict(stage=stage, param_dtype="float16", loss_scale_init=2.0**17, clip_norm=5.0,
+               grad_accum=2, offload="optimizer")
+    (l0, n0, p0, s0), (l1, n1, p1, s1) = runs(
+        [zj.Engine(SeedMLP(), tx, mesh, zj.ZeroConfig(**cfg))
+         for tx in (optax.adamw(0.1, weight_decay=0.01), zj.adamw(0.1, weight_decay=0.01))],
+        [batch] * 8)
+    assert [e.host_update for e in runs.engines] == [
+        "xla: the optimizer is not zerojax.adamw", "fused"]
+    skipped = int((~np.isfinite(n1)).sum())
+    assert 0 < skipped < 8 and np.array_equal(np.isfinite(n1), np.isfinite(n0))
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-7)
+    assert_tree_close(jax.device_get(s1.opt_state), jax.device_get(s0.opt_state), rtol=1e-6,
+                      atol=1e-7)
+    assert int(s1.opt_state[0].count) == int(s0.opt_state[0].count) == 8 - skipped
+
+
+@pytest.mark.slow
+def test_fused_delayed_update_with_a_schedule_and_a_mask():
+    """delayed_update=2 at stage 2 on 4 devices with a warm-up schedule and the GPT's decay
+    mask (the CLI's adamw): the fused run gives the run with optax.adamw's program."""
+    from zerojax.update.presets import by_leaf, gpt_decay
+
+    schedule = optax.linear_schedule(0.0, 3e-3, 4)
+    batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(8)]
+    (l0, _, p0, _), (l1, _, p1, _) = offload_pair_of(
+        lambda mk: mk(schedule, eps=1e-6, weight_decay=0.1, mask=by_leaf(gpt_decay)), batches,
+        stage=2, delayed_update=2)  # eps: helpers.adamw says why
+    assert runs.engines[1].host_update == "fused"
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    assert_tree_close(p1, p0, rtol=1e-6, atol=1e-7)
+
+
+def offload_pair_of(make, batches, **cfg):
+    """Offloaded runs of the test GPT on 4 devices with `make(optax.adamw)` and
+    `make(zerojax.adamw)`."""
+    return runs([zj.Engine(tiny_gpt(), make(mk), zj.make_mesh(data=4),
+                           zj.ZeroConfig(offload="optimizer", **cfg))
+                 for mk in (optax.adamw, zj.adamw)], batches)
+
+
+def test_the_fused_update_runs_in_place(tmp_path):
+    """The host's compiled update aliases every host-state argument and the gradient to its
+    outputs (the gradient to the compute shards), copies none of master, moments and gradient,
+    and each of their buffers holds the argument and the custom call's result: the pass
+    reads and writes them in place."""
+    eng = zj.Engine(Flat(1 << 12), zj.adamw(1.3e-3, weight_decay=0.1), zj.make_mesh(data=2),
+                    zj.ZeroConfig(stage=3, param_dtype="bfloat16", offload="optimizer",
+                                  delayed_update=1))
+    learn_units(eng, {"x": np.ones((4, 8), np.float32)})
+    assert eng.host_update == "fused"
+    low = eng.lower_host_update()
+    compiled = low.compile({"xla_dump_to": str(tmp_path), **DEFAULT_BUFFERS})
+    text = compiled.as_text()
+    alias, params = _entry(text)
+    scalars = len(jax.tree.leaves(low.args_info[0][0]))
+    host, grads = set(range(scalars, len(params) - 1)), len(params) - 1
+    assert set(alias.values()) == host | {grads} and alias[max(alias)] == grads
+    big = {i for i in host | {grads} if "[" in params[i] and "[]" not in params[i]}
+    assert len(big) == 4  # master, mu, nu, gradient
+    names = re.findall(r"(\S+): ", re.findall(r"ENTRY %\S+ \((.*?)\) ->", text)[0])
+    assert not [n for i, n in enumerate(names) if i in big and f" copy(%{n})" in text]
+    in_place = _allocations(tmp_path)
+    assert all(len(in_place[i]) == 2 and in_place[i][1].startswith("ffi_call") for i in big)
+    assert "custom_call_target=\"zerojax_adamw\"" in text
+
+
+def test_where_the_pass_cannot_run_the_update_is_optaxs_program(monkeypatch, tmp_path):
+    """No compiler (or a failed build): the engine runs optax's program and says why, with
+    Twin-Flow too. A build with a missing or failing compiler reports it and leaves nothing
+    behind in the cache."""
+    assert fused_mod.build("zerojax-no-such-cxx")[1].startswith("no C++ compiler")
+    monkeypatch.setenv("ZEROJAX_CACHE", str(tmp_path))
+    lib, why = fused_mod.build("false")
+    assert lib is None and why.startswith("false could not build")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(fused_mod, "kernel", lambda: (False, "no C++ compiler (g++) on PATH"))
+    for cfg in ({}, {"offload_fraction": 0.5}):
+        eng = zj.Engine(SeedMLP(), zj.adamw(1e-3), zj.make_mesh(data=2),
+                        zj.ZeroConfig(stage=3, offload="optimizer", **cfg))
+        learn_units(eng, SEED_BATCH)
+        assert eng.host_update == "xla: no C++ compiler (g++) on PATH"
+        text = eng.lower_host_update().as_text()
+        assert "zerojax_adamw" not in text and "stablehlo.sqrt" in text
+    assert zj.Engine(SeedMLP(), zj.adamw(1e-3), zj.make_mesh(data=2)).host_update is None
