@@ -2,6 +2,7 @@
 in place, with every feature of the offloaded step; and optax's own program where it cannot
 run."""
 
+import math
 import re
 import types
 
@@ -141,7 +142,8 @@ def test_only_zerojax_adamw_is_fused():
     b = optax.adamw(1e-3, weight_decay=0.1).update(g, tx.init(params), params)[0]
     np.testing.assert_array_equal(a["w"], b["w"])
     with pytest.raises(TypeError, match="b1 must be a float"):
-        zj.adamw(1e-3, b1=jnp.float32(0.9))
+        zj.adamw(1e-3, b1=jnp.asarray(0.9))
+    assert spec_of(zj.adamw(1e-3, b1=np.float32(0.9))).b1 == float(np.float32(0.9))
 
 
 def test_offload_with_the_fused_update_matches_single_device_optax():
@@ -246,3 +248,18 @@ def test_where_the_pass_cannot_run_the_update_is_optaxs_program(monkeypatch, tmp
         text = eng.lower_host_update().as_text()
         assert "zerojax_adamw" not in text and "stablehlo.sqrt" in text
     assert zj.Engine(SeedMLP(), zj.adamw(1e-3), zj.make_mesh(data=2)).host_update is None
+    monkeypatch.undo()  # the compiler back
+
+
+def test_the_mask_is_read_as_optax_reads_it():
+    """A mask function gets traced params, as optax.masked gives it (not ShapeDtypeStructs,
+    which have no methods): one that reshapes them is read, leaf by leaf."""
+    def by_size(params):
+        return jax.tree.map(lambda p: p.reshape(-1).shape[0] > 1, params)
+
+    eng = zj.Engine(SeedMLP(), zj.adamw(1e-3, mask=by_size), zj.make_mesh(data=2),
+                    zj.ZeroConfig(stage=3, offload="optimizer"))
+    learn_units(eng, SEED_BATCH)
+    assert eng.host_update == "fused"
+    sizes = [math.prod(leaf.shape) for leaf in eng.layout.leaves]
+    assert eng._offload.fused()[0].decay == [n > 1 for n in sizes] and min(sizes) <= 1 < max(sizes)

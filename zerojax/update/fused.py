@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import numbers
 import os
 import platform
 import shutil
@@ -71,7 +72,7 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     host as one fused pass per leaf (this module's docstring)."""
     for name, x in (("b1", b1), ("b2", b2), ("eps", eps), ("eps_root", eps_root),
                     ("weight_decay", weight_decay)):
-        if not isinstance(x, (int, float)):
+        if not isinstance(x, numbers.Real):
             raise TypeError(f"zerojax.adamw: {name} must be a float, got {x!r}; for a "
                             f"schedule or an array use optax.adamw")
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -166,8 +167,19 @@ class FusedAdamW:
         if spec.mask is None:
             self.decay = [True] * n
         else:
-            mask = spec.mask(logical) if callable(spec.mask) else spec.mask
-            self.decay = _leafwise(mask, logical)
+            seen = []
+
+            def read(params):  # as optax.masked reads it: a function of traced params
+                mask = spec.mask(params) if callable(spec.mask) else spec.mask
+                seen.append(_leafwise(mask, params))
+                return 0
+
+            try:
+                jax.eval_shape(read, logical)
+            except Exception as e:  # not a tree of bools: optax's program, which says so
+                raise ValueError(f"its weight-decay mask is not a tree of bools of the params "
+                                 f"({type(e).__name__}: {e})") from None
+            self.decay = seen[0]
         # where optax.adamw's state keeps each thing, as indices into its leaves
         self.state_def = update.state_def
         adam, _, rate = jax.tree.unflatten(self.state_def, range(self.state_def.num_leaves))
@@ -244,4 +256,7 @@ def for_update(optimizer, update) -> tuple[FusedAdamW | None, str]:
     ok, why = kernel()
     if not ok:
         return None, why
-    return FusedAdamW(spec, update), ""
+    try:
+        return FusedAdamW(spec, update), ""
+    except ValueError as e:
+        return None, str(e)
