@@ -71,6 +71,16 @@ class StepUpdate:
     extra: bool  # pass value= (the global loss)
 
 
+def grad_scale(denom, norm, clip_norm: float | None):
+    """The one factor an offloaded update multiplies each summed gradient element by: the mean's
+    `1 / denom`, and clipping's `clip_norm / norm` where the global norm exceeds it."""
+    scale = 1 / denom
+    if clip_norm is not None:
+        c = jnp.float32(clip_norm)
+        scale = jnp.where(norm < c, scale, scale / norm * c)
+    return scale
+
+
 def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
     """The optimizer step on logical params: (new master, new optimizer state, new master
     leaves as the refresh reads them).
@@ -85,10 +95,7 @@ def step_update(optimizer, how: StepUpdate, reduced, opt_state, master):
             # a divide's result in a buffer of its own when several fusions read it (the
             # moments', the master's): a float32 gradient beside the host state; so would a
             # gradient scaled outside the branch that reads it.
-            scale = 1 / denom
-            if how.clip_norm is not None:
-                c = jnp.float32(how.clip_norm)
-                scale = jnp.where(norm < c, scale, scale / norm * c)
+            scale = grad_scale(denom, norm, how.clip_norm)
             return jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads)
         if how.clip_norm is not None:

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax.update import grad_scale
+
 SOURCE = Path(__file__).with_name("fused_adamw.cc")
 TARGET = "zerojax_adamw"
 # No contraction into FMAs: optax's program, as XLA compiles it without fast math, rounds each
@@ -193,10 +195,7 @@ class FusedAdamW:
         None, loss); `state`: the optimizer state's leaves by index (the counts at least)."""
         s = self.spec
         denom, norm, finite, _ = scalars
-        scale = 1 / denom
-        if self.how.clip_norm is not None:
-            c = jnp.float32(self.how.clip_norm)
-            scale = jnp.where(norm < c, scale, scale / norm * c)
+        scale = grad_scale(denom, norm, self.how.clip_norm)  # the step's, as its program has it
         old = {self.count: state[self.count]}
         count = optax.safe_increment(old[self.count])
         # the reciprocals of optax.tree.bias_correction's 1 - decay**count: the engine's
