@@ -20,6 +20,7 @@ from helpers import (
     assert_tree_close,
     check_parity,
     engine_run,
+    fused_adamw,
     gpt_batch,
     sweep,
     tiny_gpt,
@@ -62,10 +63,10 @@ def learn_units(engine, batch):
 
 
 @functools.cache
-def gpt_engine(n, stage, offload):
+def gpt_engine(n, stage, offload, optimizer=adamw):
     """The test GPT's engine with AdamW and clipping on N devices (one per process: tests that
     build the same one share its programs)."""
-    return zj.Engine(tiny_gpt(), adamw(), zj.make_mesh(data=n),
+    return zj.Engine(tiny_gpt(), optimizer(), zj.make_mesh(data=n),
                      zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload=offload))
 
 
@@ -116,13 +117,27 @@ def test_offload_gives_the_same_numbers(stage, n):
     assert kinds(p1) == {DEVICE}  # engine.params reads the host master into device memory
 
 
-@pytest.mark.parametrize("stage, n", sweep([(2, 4), (3, 3), (2, 3)], quick=[(2, 4)]))
-def test_offload_matches_single_device_optax(stage, n):
+@pytest.mark.parametrize("stage, n, fused", sweep(
+    [(2, 4, False), (3, 3, False), (2, 3, False), (3, 3, True)], quick=[(2, 4, False)]))
+def test_offload_matches_single_device_optax(stage, n, fused):
     """With each unit's gradient sent to the host in the backward (`step.per_unit`); on N = 3
-    every leaf is padded, so the host shards and the per-unit sums of squares carry padding."""
-    eng = gpt_engine(n, stage, "optimizer")
+    every leaf is padded, so the host shards and the per-unit sums of squares carry padding,
+    and zerojax.adamw's fused pass (fused.py) leaves the padding at zero."""
+    eng = gpt_engine(n, stage, "optimizer", fused_adamw if fused else adamw)
     check_parity(eng)
+    assert eng.host_update == ("fused" if fused else
+                               "xla: the optimizer is not zerojax.adamw")
     assert per_unit(eng.plan)
+    state = check_parity.state  # the host shards' padding stays zero: master and moments
+    real = jax.tree.leaves(eng.layout.to_flat(jax.tree.map(np.ones_like, eng.params(state))))
+    if n == 3:
+        assert sum(int((r == 0).sum()) for r in real) > 0
+    for name in ("mu", "nu"):
+        for x, r in zip(jax.tree.leaves(optax.tree_utils.tree_get(state.opt_state, name)),
+                        real, strict=True):
+            assert not np.asarray(x)[np.asarray(r) == 0].any(), name
+    for x, r in zip(jax.tree.leaves(state.master), real, strict=True):
+        assert not np.asarray(x)[np.asarray(r) == 0].any(), "master"
 
 
 @pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
