@@ -308,6 +308,7 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     assert "one fused pass" in out  # the adamw preset's host update (update/fused.py)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["config"]["offload"] == "optimizer" and s["steps_done"] == 3
+    assert s["host_update"] == "fused"
     est = s["memory_per_device"]["estimate"]
     assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
     assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
@@ -398,6 +399,9 @@ def test_each_optimizer_trains_and_the_table_names_its_state(name, tmp_path, tok
     assert (est["optimizer"], est["optimizer_state_bytes"]) == (name, k)
     if "--offload" in extra:  # the host keeps the master and Lion's momentum, 1/2 each
         assert est["host"] == (4 + 4) * 21_760 / 2
+        assert s["host_update"] == "xla: the optimizer is not zerojax.adamw"
+    else:
+        assert s["host_update"] is None
     loss = losses(tmp_path)
     assert np.isfinite(loss).all() and len(loss) == 3 and loss[-1] < loss[0], loss
     if name != "lion":
@@ -870,15 +874,19 @@ def test_a_split_the_preset_does_not_divide_is_one_line(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, tokens64, reference):
+@pytest.mark.parametrize("offload", [[], ["--offload", "optimizer"]], ids=["plain", "offload"])
+def test_two_processes_match_one(tmp_path, tokens64, reference, offload):
+    """Offloaded, each process updates its devices' shards on its own host's CPU devices, with
+    zerojax.adamw's fused pass (the preset's AdamW), built or loaded by each process."""
     script = ROOT / "scripts" / "launch_local.sh"
     env = dict(_env(), PORT=str(free_port()), PYTHON=sys.executable)
     r = subprocess.run(["bash", str(script), "2", "2", *SMALL, "--data", str(tokens64),
-                        "--steps", "20", "--out", str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+                        "--steps", "20", *offload, "--out", str(tmp_path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["devices"]["processes"] == 2 and summary["devices"]["count"] == 4
+    assert summary["host_update"] == ("fused" if offload else None)
     np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
 
 

@@ -376,7 +376,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
                              flops={"per_step": step_flops, "formula": flops.formula(model),
-                                    "peak_tflops": peak, "peak_from": peak_from})
+                                    "peak_tflops": peak, "peak_from": peak_from},
+                             host_update=engine.host_update)
     if lead:
         report.finish(out, summary)
     if watch is not None:
