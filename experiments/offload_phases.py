@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # offload_overlap beside this file
@@ -117,24 +118,28 @@ def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
 
 def together(eng, state, batch, repeats: int) -> tuple[dict, object]:
     """The delayed step's overlap as it dispatches it: the host's update of the last gradient
-    (its parts side by side, the state donated), then the devices' gradients program, each
-    timed from the dispatch to when its own result is ready. Against `phases`' times of each
-    alone: a gradients program slower beside the update says the two compete (for the host's
-    cores, which also launch the devices' work, or its memory bandwidth, which the backward's
-    copies to host memory share)."""
+    (from a thread of its own, `_beside`; its parts side by side, the state donated), then the
+    devices' gradients program, each timed from the dispatch to when its own result is ready.
+    Against `phases`' times of each alone: a gradients program slower beside the update says
+    the two compete (for the host's cores, which also launch the devices' work, or its memory
+    bandwidth, which the backward's copies to host memory share). The first of `repeats` + 1
+    is not counted: `_beside`'s first call is the caller's own."""
     h = eng._offload
     _, reduced, _ = h._grads_fn()(h.device_part(state), batch)
     out = {}
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         grads, *scalars = reduced
         grads = jax.tree.unflatten(jax.tree.structure(grads), h.down(jax.tree.leaves(grads)))
+        jax.block_until_ready(grads)
         t0 = time.perf_counter()
-        master, opt_state, shards, _ = h._update((grads, *scalars), state, True)
+        applied = h._beside((grads, *scalars), state)
         _, reduced, _ = h._grads_fn()(h.device_part(state), batch)
         jax.block_until_ready(reduced)
-        out.setdefault("gradients, beside the update", []).append(time.perf_counter() - t0)
-        jax.block_until_ready((master, opt_state, shards))
-        out.setdefault("update, beside the gradients", []).append(time.perf_counter() - t0)
+        beside = time.perf_counter() - t0
+        master, opt_state, shards, _ = jax.block_until_ready(applied.result())
+        if i:
+            out.setdefault("gradients, beside the update", []).append(beside)
+            out.setdefault("update, beside the gradients", []).append(time.perf_counter() - t0)
         state = state._replace(master=master, opt_state=opt_state)
     return {k: statistics.median(v) for k, v in out.items()}, state
 
@@ -201,7 +206,8 @@ def under_load(eng, state, batch, repeats: int) -> dict:
 def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
     """The engine's own steps (`eng.step`), each program and move of them recorded as
     (name, ms from the step's call to the return of its own call (a program's dispatch; a
-    move's, which may wait for what it moves), ms to its result being ready); the last rows
+    move's, which may wait for what it moves; the host update's hand-off to its thread,
+    `_beside`), ms to its result being ready); the last rows
     "step returned" and "step ready". Medians over `steps`. A watcher thread per result waits
     for it, so nothing in the step waits more than it would (and sees it ready as it wakes: a
     little late, where the host's cores are busy)."""
@@ -215,7 +221,7 @@ def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
         rows.append(row)
 
         def wait():
-            jax.block_until_ready(out)
+            jax.block_until_ready(out.result()[:3] if isinstance(out, Future) else out)
             row[2] = 1e3 * (time.perf_counter() - clock["t0"])
 
         watchers.append(threading.Thread(target=wait, daemon=True))
@@ -223,15 +229,13 @@ def timeline(eng, state, batch, steps: int) -> tuple[list, object]:
         return out
 
     grads_fn = h._grads_fn
-    orig = {n: getattr(h, n) for n in ("_update", "down", "up", "_compute_of")}
-    names = {"_update": "host update", "down": "gradient to the host mesh",
+    orig = {n: getattr(h, n) for n in ("_beside", "down", "up", "_compute_of")}
+    names = {"_beside": "host update", "down": "gradient to the host mesh",
              "up": "shards to the devices", "_compute_of": "compute params"}
 
     def recorded(n):
         def run(*a, **k):
-            out = orig[n](*a, **k)
-            watch(names[n], out[:3] if n == "_update" else out)
-            return out
+            return watch(names[n], orig[n](*a, **k))
         return run
 
     def grads():

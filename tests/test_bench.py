@@ -471,6 +471,7 @@ def test_update_bench_counts_the_bytes_and_times_every_form():
         if name != "over 2 CPU devices":
             assert r["bytes_per_s"] == pytest.approx(res["bytes_per_update"] / r["median_s"])
         assert r["ratio_to_copy"] == pytest.approx(r["bytes_per_s"] / best)
+        assert 0 < r["returned_s"] <= r["median_s"]  # dispatched, then done
     # what the compiled program moves: four fusions, one per output (two moments, the master,
     # the compute shard), each reading what the one before wrote: 42 bytes a param
     for name in ("donated", "over 2 CPU devices"):

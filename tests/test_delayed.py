@@ -3,6 +3,7 @@ a single-device optax loop with the same one-step delay (zerojax/delayed.py stat
 recurrence)."""
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,44 @@ def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     with pytest.raises(zj.StateError, match=r"engine.saveable\(state\)"):
         eng.logical(state)
     assert int(eng.logical(eng.saveable(state))["step"]) == 2
+
+
+def test_the_devices_program_is_dispatched_while_the_host_updates(monkeypatch):
+    """XLA:CPU runs a fused pass's program inline, to its end, on the thread that calls it (its
+    cost analysis counts no flops in a custom call: a "cheap" program); so a delayed step calls
+    the pending update from a thread of its own and dispatches the gradients program while the
+    host updates. Here the update waits until the gradients program has been dispatched: called
+    on the step's own thread before it, it would wait for ever (20 s here)."""
+    mesh = zj.make_mesh(data=4)
+    eng = zj.Engine(Norm(zj.batch_axes(mesh)), zj.adamw(1e-2), mesh, zj.ZeroConfig(
+        stage=3, offload="optimizer", delayed_update=1))
+    state = eng.init(jax.random.key(0), BATCHES[0])
+    assert eng.host_update == "fused"
+    off = eng._offload
+    for b in BATCHES[:2]:  # the ordinary first step, then the first delayed one (the caller's)
+        state, _ = eng.step(state, b)
+    dispatched, waited = threading.Event(), []
+    update, grads_fn = off._update, off._grads_fn
+
+    def waiting(*a):
+        waited.append(dispatched.wait(timeout=20))
+        return update(*a)
+
+    def dispatching():
+        fn = grads_fn()
+        return lambda *a: (fn(*a), dispatched.set())[0]
+
+    monkeypatch.setattr(off, "_update", waiting)
+    monkeypatch.setattr(off, "_grads_fn", dispatching)
+    state, metrics = eng.step(state, BATCHES[2])
+    assert waited == [True]
+    ref = zj.Engine(Norm(zj.batch_axes(mesh)), zj.adamw(1e-2), mesh, zj.ZeroConfig(
+        stage=3, offload="optimizer", delayed_update=1))
+    ref_state = ref.init(jax.random.key(0), BATCHES[0])
+    for b in BATCHES[:3]:
+        ref_state, ref_metrics = ref.step(ref_state, b)
+    assert float(metrics["loss"]) == float(ref_metrics["loss"])
+    assert_bitwise(eng.params(state), ref.params(ref_state))
 
 
 @pytest.mark.parametrize("cfg, match", [

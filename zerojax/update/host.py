@@ -21,13 +21,17 @@ program: measured on an H100's host (docs/performance.md), the latter got fresh 
 With `delayed_update` (delayed.py) the update of the previous step's gradient is dispatched
 before this step's gradients program, which runs on the params without it, so the CPU backend
 updates while the devices compute; this step's gradient waits in host memory as the pending
-update.
+update. It is dispatched from a thread of its own (`_beside`): XLA:CPU runs a program its cost
+analysis deems cheap (under 1,000 flops: a fused pass's, whose custom call counts none) inline,
+to its end, on the thread that calls it, which would hold the gradients program back until the
+host is done.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +63,7 @@ class HostOffload(HostPrograms):
         self._order: list[int] = []  # the params' order in the update's parts (`_parted`)
         self._side_by_side = SideBySide()  # the host's parts, each from a thread of its own
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
+        self._thread: ThreadPoolExecutor | None = None  # the delayed update's (`_beside`)
 
     # ------------------------------------------------------------ placement
 
@@ -378,6 +383,19 @@ class HostOffload(HostPrograms):
         self._last = (ref, n)
         return n >= self.k - 1
 
+    def _beside(self, pending, state) -> Future:
+        """The update of `pending` (`_update`, donating), called from a thread of its own, so
+        the caller goes on to dispatch the devices' programs whether or not XLA:CPU runs the
+        update inline (a fused pass's program it does: the call returns when the host is
+        done). The first call is the caller's own, as SideBySide's: it traces and compiles
+        under the caller's jax context, and its errors are the caller's."""
+        if self._thread is None:
+            done = Future()
+            done.set_result(self._update(pending, state, True))
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
+            return done
+        return self._thread.submit(self._update, pending, state, True)
+
     def step(self, state, batch):
         """One offloaded step; donates `state`."""
         if isinstance(state.step, jax.core.Tracer):
@@ -388,12 +406,12 @@ class HostOffload(HostPrograms):
         delayed = self._delays(state)
         n = self._last[1]
         if delayed:  # dispatched first: the host updates while the devices compute
-            applied = self._update(tuple(state.pending), state, True)
+            applied = self._beside(tuple(state.pending), state)
         new, reduced, metrics = self._grads_fn()(self.device_part(state), batch)
         grads, *scalars = reduced
         grads = jax.tree.unflatten(jax.tree.structure(grads), self.down(jax.tree.leaves(grads)))
         if delayed:
-            master, opt_state, shards, lr = applied
+            master, opt_state, shards, lr = applied.result()
             pending = self._store(grads, scalars)
         else:
             master, opt_state, shards, lr = self._update((grads, *scalars), state, True)

@@ -212,8 +212,8 @@ class SideBySide:
     time; a program of several devices that holds a collective is called from the caller's
     thread, in turn (`COLLECTIVES`), and so is each program's first call (it traces and
     compiles under the caller's jax context, and its errors are the caller's). Gives the
-    calls' results in order; each call only dispatches, as a call from the caller's thread
-    would."""
+    calls' results in order, each as a call from the caller's thread would: once dispatched,
+    or once done for a program XLA:CPU runs inline (a fused pass's: `HostOffload._beside`)."""
 
     def __init__(self, workers: int = PARTS):
         self.workers = workers
