@@ -44,7 +44,7 @@ from zerojax.step import learning_rate
 from zerojax.update.delayed import Pending
 from zerojax.update.host_programs import HostPrograms
 from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
-from zerojax.update.parts import SideBySide, device_share, runs
+from zerojax.update.parts import COLLECTIVES, SideBySide, device_share, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -388,13 +388,33 @@ class HostOffload(HostPrograms):
         the caller goes on to dispatch the devices' programs whether or not XLA:CPU runs the
         update inline (a fused pass's program it does: the call returns when the host is
         done). The first call is the caller's own, as SideBySide's: it traces and compiles
-        under the caller's jax context, and its errors are the caller's."""
-        if self._thread is None:
+        under the caller's jax context, and its errors are the caller's; so is every call
+        where `_apart` says the update cannot run beside the devices' programs."""
+        if self._thread is None or not self._apart(state):
             done = Future()
             done.set_result(self._update(pending, state, True))
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
             return done
         return self._thread.submit(self._update, pending, state, True)
+
+    def _apart(self, state) -> bool:
+        """Whether the delayed update may run beside the gradients program: always on a host
+        mesh of its own (an accelerator's host: another client); on the devices' own mesh of
+        CPU devices only where no program of the update waits for every device (a collective
+        over several, as SideBySide keeps such programs in turn: two of them side by side,
+        with the gradients program's, could each hold the threads the other's devices wait
+        for). With Twin-Flow there, the devices' share runs on those same devices: in turn
+        too."""
+        def build():
+            if self.mesh is not self.engine.mesh or self.mesh.size == 1:
+                return True
+            if self.split()[0]:
+                return False
+            text = self.lower_update(state).as_text()
+            return not any(f"stablehlo.{op}" in text for op in COLLECTIVES)
+
+        return self._cached("apart", build)
 
     def step(self, state, batch):
         """One offloaded step; donates `state`."""
