@@ -101,6 +101,8 @@ def test_with_the_delayed_update_and_a_restore_twin_flow_is_full_offloads_run(ap
     l0, s0 = run(full, batches, params)
     l1, s1 = run(twin, batches, params, tmp_path / "ckpt")
     assert twin._offload.on_devices("pending")
+    # CPU devices of one client: Twin-Flow's delayed update in turn, full offload's beside
+    assert (full._offload._apart(s0), twin._offload._apart(s1)) == (True, False)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     close_run(twin.params(s1), full.params(s0), params)
     close_run(twin.optimizer_state(s1)[0].mu, full.optimizer_state(s0)[0].mu,

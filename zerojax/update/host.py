@@ -399,15 +399,15 @@ class HostOffload(HostPrograms):
         return self._thread.submit(self._update, pending, state, True)
 
     def _apart(self, state) -> bool:
-        """Whether the delayed update may run beside the gradients program: always on a host
-        mesh of its own (an accelerator's host: another client); on the devices' own mesh of
-        CPU devices only where no program of the update waits for every device (a collective
-        over several, as SideBySide keeps such programs in turn: two of them side by side,
-        with the gradients program's, could each hold the threads the other's devices wait
-        for). With Twin-Flow there, the devices' share runs on those same devices: in turn
-        too."""
+        """Whether the delayed update may run beside the gradients program: always where the
+        host mesh is another client's (an accelerator's host); where both meshes are CPU
+        devices of one client only if no program of the update waits for every device (a
+        collective over several, as SideBySide keeps such programs in turn: two of them side
+        by side, with the gradients program's, could each hold the threads the other's
+        devices wait for). With Twin-Flow there, the devices' share runs on the client's
+        threads too: in turn."""
         def build():
-            if self.mesh is not self.engine.mesh or self.mesh.size == 1:
+            if self._crosses or self.mesh.size == 1:
                 return True
             if self.split()[0]:
                 return False
