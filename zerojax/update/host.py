@@ -44,7 +44,7 @@ from zerojax.step import learning_rate
 from zerojax.update.delayed import Pending
 from zerojax.update.host_programs import HostPrograms
 from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
-from zerojax.update.parts import COLLECTIVES, SideBySide, device_share, runs
+from zerojax.update.parts import SideBySide, device_share, holds_collective, runs
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -411,8 +411,7 @@ class HostOffload(HostPrograms):
                 return True
             if self.split()[0]:
                 return False
-            text = self.lower_update(state).as_text()
-            return not any(f"stablehlo.{op}" in text for op in COLLECTIVES)
+            return not holds_collective(self.lower_update(state))
 
         return self._cached("apart", build)
 

@@ -207,6 +207,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "collective_permute",
                "reduce_scatter", "collective_broadcast")
 
 
+def holds_collective(lowered) -> bool:
+    """Whether a lowered program holds one of `COLLECTIVES`."""
+    text = lowered.as_text()
+    return any(f"stablehlo.{op}" in text for op in COLLECTIVES)
+
+
 class SideBySide:
     """Calls programs each from a thread of its own, so the CPU backend runs them at the same
     time; a program of several devices that holds a collective is called from the caller's
@@ -229,8 +235,7 @@ class SideBySide:
         for k, (fn, args, devices) in enumerate(calls):
             first = fn not in self._alone
             if first:
-                self._alone[fn] = devices > 1 and any(
-                    f"stablehlo.{op}" in fn.lower(*args).as_text() for op in COLLECTIVES)
+                self._alone[fn] = devices > 1 and holds_collective(fn.lower(*args))
             out[k] = fn(*args) if first or self._alone[fn] or len(calls) == 1 else \
                 self._pool.submit(fn, *args)
         return [x.result() if isinstance(x, Future) else x for x in out]
