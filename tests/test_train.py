@@ -874,20 +874,34 @@ def test_a_split_the_preset_does_not_divide_is_one_line(tmp_path, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [[], ["--offload", "optimizer"]], ids=["plain", "offload"])
+@pytest.mark.parametrize("offload", [[], ["--offload", "optimizer", "--delayed-update", "10"]],
+                         ids=["plain", "offload, delayed"])
 def test_two_processes_match_one(tmp_path, tokens64, reference, offload):
     """Offloaded, each process updates its devices' shards on its own host's CPU devices, with
-    zerojax.adamw's fused pass (the preset's AdamW), built or loaded by each process."""
+    zerojax.adamw's fused pass (the preset's AdamW), built or loaded by each process: ordinary
+    offloaded steps up to step 10, then delayed ones, each process's host update beside its
+    gradients program. The first ten equal the plain run; the rest, and the final eval (on
+    the params with the pending update applied), equal one process's delayed run."""
     script = ROOT / "scripts" / "launch_local.sh"
     env = dict(_env(), PORT=str(free_port()), PYTHON=sys.executable)
     r = subprocess.run(["bash", str(script), "2", "2", *SMALL, "--data", str(tokens64),
-                        "--steps", "20", *offload, "--out", str(tmp_path)], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=300)
+                        "--steps", "20", *offload, "--out", str(tmp_path / "two")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["devices"]["processes"] == 2 and summary["devices"]["count"] == 4
     assert summary["host_update"] == ("fused" if offload else None)
-    np.testing.assert_allclose(losses(tmp_path), losses(reference), rtol=0, atol=1e-5)
+    got, plain = losses(tmp_path / "two"), losses(reference)
+    if not offload:
+        np.testing.assert_allclose(got, plain, rtol=0, atol=1e-5)
+        return
+    assert zerojax_here("train", *SMALL, "--data", tokens64, "--devices", 4, "--steps", 20,
+                        *offload, "--out", tmp_path / "one") == 0
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    np.testing.assert_allclose(got[:10], plain[:10], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got, losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    assert np.abs(got[11:] - plain[11:]).min() > 1e-3  # the delay took effect from step 11
+    assert summary["final_eval_loss"] == pytest.approx(one["final_eval_loss"], abs=1e-5)
 
 
 @pytest.mark.slow
