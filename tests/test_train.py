@@ -128,6 +128,21 @@ def test_help_documents_every_option(capsys):
     assert "Total optimizer steps" in text  # field docstrings are the help
 
 
+@pytest.mark.parametrize("flags, text", [
+    ("", ""),
+    ("--offload optimizer", ", offload optimizer (host memory)"),
+    ("--offload optimizer --delayed-update 20",
+     ", offload optimizer (host memory), delayed update after 20 ordinary steps"),
+    ("--offload optimizer --delayed-update 1 --offload-fraction 0.4",
+     ", offload optimizer (Twin-Flow: 0.4 of it in host memory, the rest on the devices), "
+     "delayed update after 1 ordinary step"),
+    ("--offload optimizer --delayed-update 0",
+     ", offload optimizer (host memory), delayed update from the first step")])
+def test_the_zero_row_names_the_offload_options(flags, text):
+    cfg = options.validate(options.parse_args(flags.split()))
+    assert report.offload_text(cfg) == text
+
+
 def test_config_file_then_flags(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"steps": 7, "seq-len": 32, "stage": 1}))
     (tmp_path / "run.toml").write_text('steps = 9\nmodel = "small8"\n')

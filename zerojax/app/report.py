@@ -325,7 +325,7 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
         ("ZeRO", f"stage {cfg.stage}, {cfg.param_dtype} compute, "
                  f"{'remat' if cfg.remat else 'no remat'}"
                  + (", prefetch" if cfg.prefetch else "")
-                 + (f", offload {cfg.offload} (host memory)" if cfg.offload else "")
+                 + offload_text(cfg)
                  + zeropp_text(cfg)
                  + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
@@ -338,6 +338,19 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
         ("steps", f"{cfg.steps}" + (f" (resuming at {start})" if start else "")),
         ("out", cfg.out),
     ]
+
+
+def offload_text(cfg) -> str:
+    """The offload options of a run, as the start-up table's ZeRO row lists them."""
+    if not cfg.offload:
+        return ""
+    fraction = getattr(cfg, "offload_fraction", None) or 1.0
+    k = getattr(cfg, "delayed_update", None)
+    where = ("host memory" if fraction == 1 else
+             f"Twin-Flow: {fraction:g} of it in host memory, the rest on the devices")
+    delayed = ("" if k is None else ", delayed update from the first step" if k == 0 else
+               f", delayed update after {k} ordinary step{'s' * (k != 1)}")
+    return f", offload {cfg.offload} ({where}){delayed}"
 
 
 def zeropp_text(cfg) -> str:
