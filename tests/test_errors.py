@@ -328,6 +328,11 @@ def test_run_log_steps_increase_and_each_record_is_checked(tmp_path):
            "no loss": ((1, {}), "RunLog.step: metrics lack 'loss', 'grad_norm' (they have "
                                 "[]); pass the dict engine.step returns"),
            "an array": ((6, one | {"acc": np.zeros(3)}), "RunLog.step: metrics['acc']="),
+           "a record's key": ((6, one | {"step_time_s": 1.0, "host_rss_bytes": 2}),
+                              "RunLog.step: metrics 'host_rss_bytes', 'step_time_s' have the "
+                              "name of a key the record computes itself; rename the model's "
+                              "aux metric (e.g. 'aux_host_rss_bytes')"),
+           "the step": ((6, one | {"step": 6}), "RunLog.step: metrics 'step' have the name"),
            "negative time": ((6, one), "RunLog.step: seconds=-1 must be a finite number")}
     for case, (args, message) in bad.items():
         with pytest.raises(zj.ArgumentError) as e:

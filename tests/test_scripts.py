@@ -146,7 +146,7 @@ def test_evaluate_on_replica_by_data_is_the_plain_mean_and_pads_count_for_nothin
 def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
     """What `RunLog.step` adds to a step's metrics: the lr an optimizer state carries, tokens
     from the batch, float16's skipped steps summed, the model's aux metrics under `metrics/`,
-    device memory where the backend reports it; the plot drawn during the run."""
+    device memory where the backend reports it, host memory; the plot drawn during the run."""
     from helpers import by_tag, tensorboard_scalars
 
     from zerojax.app import runlog
@@ -159,6 +159,8 @@ def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
             return {"bytes_in_use": self.used, "peak_bytes_in_use": 2 * self.used}
 
     monkeypatch.setattr(jax, "local_devices", lambda: [Device(5), Device(7)])
+    monkeypatch.setattr(runlog, "host_memory",
+                        lambda: {"host_rss_bytes": 11, "host_rss_peak_bytes": 13})
     batch = {"inputs": np.zeros((4, 16), np.int32), "targets": np.zeros((4, 16), np.int32)}
     with zj.RunLog(tmp_path, plot_every=0) as log:
         for step, skipped in ((1, 0), (2, 1), (3, 1)):
@@ -171,12 +173,36 @@ def test_run_log_records_without_an_engine(tmp_path, monkeypatch):
     assert rec == {"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": pytest.approx(3e-3),
                    "tokens_per_s": 128.0, "tokens_per_s_per_device": 128.0 / jax.device_count(),
                    "step_time_s": 0.5, "loss_scale": 2.0**15, "skipped_steps": 2,
-                   "memory_bytes": 7, "peak_memory_bytes": 14, "accuracy": 0.75}
+                   "memory_bytes": 7, "peak_memory_bytes": 14, "host_rss_bytes": 11,
+                   "host_rss_peak_bytes": 13, "accuracy": 0.75}
     tb = tensorboard_scalars(tmp_path)
     assert tb == by_tag(log.records) and tb["metrics/accuracy"][2] == 0.5
     assert tb["perf/device_memory_bytes_in_use"][1] == 7
+    assert (tb["perf/host_memory_rss_bytes"][1], tb["perf/host_memory_peak_rss_bytes"][3]) == (
+        11, 13)
     assert runlog.batch_tokens({"image": np.zeros((2, 8, 8, 3)), "label": np.zeros(2, int)}) == 2
     assert runlog.batch_tokens([np.zeros((3, 5)), np.zeros((3, 9), np.int32)]) == 27
+
+
+def test_host_memory_is_the_processs_resident_set_and_its_peak():
+    """`runlog.host_memory`: the OS's figures, moving as this process touches memory: 256 MiB
+    written raise the resident set and its peak by about that, and freed, the peak stays."""
+    import gc
+
+    from zerojax.app import runlog
+
+    before = runlog.host_memory()
+    assert 0 < before["host_rss_bytes"] <= before["host_rss_peak_bytes"]
+    block = np.ones(256 << 20, np.uint8)  # every page written
+    held = runlog.host_memory()
+    assert held["host_rss_bytes"] - before["host_rss_bytes"] > 200 << 20
+    assert held["host_rss_peak_bytes"] >= held["host_rss_bytes"]
+    assert held["host_rss_peak_bytes"] - before["host_rss_peak_bytes"] > 0
+    del block
+    gc.collect()
+    after = runlog.host_memory()
+    assert after["host_rss_bytes"] < held["host_rss_bytes"] - (200 << 20)  # given back
+    assert after["host_rss_peak_bytes"] >= held["host_rss_bytes"]
 
 
 @pytest.mark.slow

@@ -327,6 +327,14 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     est = s["memory_per_device"]["estimate"]
     assert (est["offload"], est["host"]) == ("optimizer", 12 * s["num_params"] / 4)
     assert np.isfinite(losses(tmp_path)).all() and len(losses(tmp_path)) == 3
+    # The process's host memory, each step and at the end: the OS's figures, peaks never
+    # below what was resident (this process holds the suite's programs too: no closer bound).
+    host = [(r["host_rss_bytes"], r["host_rss_peak_bytes"]) for r in records(tmp_path)
+            if "loss" in r]
+    assert len(host) == 3 and all(4 * est["host"] < rss <= peak for rss, peak in host)
+    assert [p for _, p in host] == sorted(p for _, p in host)
+    end = s["host_memory"]
+    assert host[-1][1] <= end["host_rss_peak_bytes"] and end["host_rss_bytes"] > 0
 
 
 @pytest.mark.slow

@@ -429,10 +429,12 @@ def comm_rows(cfg, num_params: int, devices: int, split_params: int | None = Non
 
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,
             eval_s, step, interrupted, flops: dict[str, Any] | None = None,
-            host_update: str | None = None) -> dict[str, Any]:
+            host_update: str | None = None,
+            host_memory: dict[str, int] | None = None) -> dict[str, Any]:
     """The contents of `summary.json`; `flops`: the model FLOPs per step (`per_step`), their
     `formula`, and the per-device `peak_tflops` (or None) and where it comes from;
-    `host_update`: `Engine.host_update` (offload: "fused" or "xla: <why>")."""
+    `host_update`: `Engine.host_update` (offload: "fused" or "xla: <why>"); `host_memory`:
+    `runlog.host_memory()` at the end (this process's resident set and its peak)."""
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     steady = times[1:] or times
@@ -454,6 +456,7 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
                     "mesh": dict(mesh.shape)},
         "memory_per_device": {"estimate": estimate.as_dict(), "measured_state_bytes": measured},
         "host_update": host_update,
+        "host_memory": host_memory or {},
         "timings": {
             "wall_s": wall_s,
             "first_step_s": times[0] if times else None,  # includes compilation

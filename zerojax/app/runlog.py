@@ -1,11 +1,12 @@
 """`zj.RunLog`: the records `python -m zerojax train` writes, for any script's training loop:
 `metrics.jsonl`, TensorBoard event files, a W&B run and `loss.png`, with the step's throughput,
-FLOPs, device memory and learning rate added to what `engine.step` returns."""
+FLOPs, device and host memory and learning rate added to what `engine.step` returns."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -13,10 +14,11 @@ from typing import Any
 
 import jax
 import numpy as np
+import psutil
 
 from zerojax.analysis import flops as flops_
 from zerojax.app.files import RunFileError, not_a_directory
-from zerojax.app.sinks import MetricsWriter
+from zerojax.app.sinks import TAGS, MetricsWriter
 from zerojax.errors import ArgumentError, short
 
 PLOT = "loss.png"
@@ -26,6 +28,9 @@ _OWN = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite")
 # The throughput keys of a step counted from its compiled program (`step_flops` of a model
 # without `flops_per_token`): hardware FLOPs and their utilization, HFU.
 _PROGRAM = {"tflops_per_device": "program_tflops_per_device", "mfu": "hfu"}
+# The keys a record gives a meaning of its own: a model's aux metric of one of these names
+# would overwrite it (or be overwritten), so it is refused.
+_RECORD_KEYS = frozenset(TAGS) | {"step"}
 
 
 class RunLog:
@@ -91,8 +96,8 @@ class RunLog:
         state carries it, `optax.inject_hyperparams`; or `lr=`), tokens/s (also per device),
         the step time, TFLOP/s per device and MFU (with an engine), the loss scale and skipped
         steps (float16), the device memory in use and its peak (max over this process's
-        devices, where the backend reports it), `eval_loss` when given, and the model's aux
-        metrics.
+        devices, where the backend reports it), this process's resident host memory and its
+        peak (`host_memory`), `eval_loss` when given, and the model's aux metrics.
 
         Reading the metrics waits for the step to finish. `seconds`: the step's time (default:
         the time since the previous `step` returned, or since the log was made); `tokens`: the
@@ -125,7 +130,7 @@ class RunLog:
         if "loss_scale" in values:  # float16's dynamic loss scaling
             self.skipped += int(values.get("skipped", 0))
             rec |= {"loss_scale": values["loss_scale"], "skipped_steps": self.skipped}
-        rec |= device_memory()
+        rec |= device_memory() | host_memory()
         rec |= {k: v for k, v in values.items() if k not in _OWN}
         if eval_loss is not None:
             rec["eval_loss"] = float(eval_loss)
@@ -260,6 +265,11 @@ def _metric_values(metrics, need=("loss", "grad_norm")) -> dict[str, float]:
     if missing:
         raise ArgumentError(f"RunLog.step: metrics lack {', '.join(map(repr, missing))} (they "
                             f"have {sorted(metrics)}); pass the dict engine.step returns")
+    taken = sorted((set(metrics) - set(_OWN)) & _RECORD_KEYS)
+    if taken:
+        raise ArgumentError(f"RunLog.step: metrics {', '.join(map(repr, taken))} have the "
+                            f"name of a key the record computes itself; rename the model's "
+                            f"aux metric (e.g. 'aux_{taken[0]}')")
     values = {}
     for k, v in metrics.items():
         try:
@@ -281,6 +291,29 @@ def batch_tokens(batch) -> int:
                 and np.issubdtype(np.result_type(x), np.integer)), None)
     n = math.prod(np.shape(ids)) if ids is not None else np.shape(leaves[0])[0]
     return int(n) * jax.process_count()
+
+
+def host_memory() -> dict[str, int]:
+    """`host_rss_bytes` and `host_rss_peak_bytes`: this process's resident set in host memory
+    now and at its largest so far (the OS's count: with offload, the host state and the host
+    update's working memory among the rest; {} where the OS does not say). The peak is the
+    kernel's high-water mark, and never below a resident set read before (the two counts are
+    kept apart, a few pages out of step)."""
+    global _rss_seen
+    try:
+        rss = psutil.Process().memory_info().rss
+    except psutil.Error:
+        return {}
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: no peak
+        return {"host_rss_bytes": rss}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
+    _rss_seen = max(_rss_seen, rss, peak * (1 if sys.platform == "darwin" else 1024))
+    return {"host_rss_bytes": rss, "host_rss_peak_bytes": _rss_seen}
+
+
+_rss_seen = 0  # host_memory's peak so far
 
 
 def device_memory() -> dict[str, int]:

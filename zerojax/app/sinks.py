@@ -33,6 +33,8 @@ TAGS = {
     "hfu": "perf/hfu",
     "memory_bytes": "perf/device_memory_bytes_in_use",
     "peak_memory_bytes": "perf/device_memory_peak_bytes_in_use",
+    "host_rss_bytes": "perf/host_memory_rss_bytes",
+    "host_rss_peak_bytes": "perf/host_memory_peak_rss_bytes",
     "eval_loss": "eval/loss",
 }
 TENSORBOARD = "tensorboard"  # OUT/tensorboard holds the event files

@@ -179,7 +179,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax.analysis.measurement import optimizer_state_size
     from zerojax.app import report
     from zerojax.app.data import TokenBatches
-    from zerojax.app.runlog import PeakWarning, RunLog, mesh_text, over_peak
+    from zerojax.app.runlog import PeakWarning, RunLog, host_memory, mesh_text, over_peak
     from zerojax.config import ZeroConfig
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
@@ -377,7 +377,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
                              flops={"per_step": step_flops, "formula": flops.formula(model),
                                     "peak_tflops": peak, "peak_from": peak_from},
-                             host_update=engine.host_update)
+                             host_update=engine.host_update, host_memory=host_memory())
     if lead:
         report.finish(out, summary)
     if watch is not None:
