@@ -335,6 +335,9 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     assert [p for _, p in host] == sorted(p for _, p in host)
     end = s["host_memory"]
     assert host[-1][1] <= end["host_rss_peak_bytes"] and end["host_rss_bytes"] > 0
+    from zerojax.analysis.accounting import format_bytes
+
+    assert f"host peak {format_bytes(end['host_rss_peak_bytes'])}, " in out.splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -808,6 +811,7 @@ def test_thirty_steps_watched_in_tensorboard_and_wandb(tmp_path, tokens64, monke
     assert len(steps) >= 10 and all(re.search(r" TFLOP/s/device \(MFU [\d.]+%\)  eta ", line)
                                     for line in steps), lines
     assert "TFLOP/s/device" in lines[-1] and lines[-1].startswith("done: step 30")
+    assert "host peak" not in lines[-1]  # offload's
     tb = tensorboard_scalars(out)
     assert tb == logged(out)
     assert sorted(tb["eval/loss"]) == [0, 10, 20, 30]

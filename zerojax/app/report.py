@@ -470,7 +470,8 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
 
 
 def final_line(s: dict[str, Any], out: Path) -> str:
-    """One line: where the run ended and how fast it went."""
+    """One line: where the run ended and how fast it went (with offload, the process's host
+    memory peak)."""
     parts = [f"step {s['steps_done']}"]
     if s["final_loss"] is not None:
         parts.append(f"loss {s['final_loss']:.4f}")
@@ -483,6 +484,9 @@ def final_line(s: dict[str, Any], out: Path) -> str:
         parts.append(f"{t['tokens_per_s']:,.0f} tok/s")
     if t.get("tflops_per_device") is not None:
         parts.append(tflops_text(t))
+    peak = s.get("host_memory", {}).get("host_rss_peak_bytes")
+    if s["config"].get("offload") and peak:  # what binds with offload: the host's memory
+        parts.append(f"host peak {format_bytes(peak)}")
     parts.append(f"{t['wall_s']:.0f} s")
     head = "interrupted" if s["interrupted"] else "done"
     return f"{head}: " + ", ".join(parts) + f"  → {out}/"
