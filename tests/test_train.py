@@ -918,6 +918,10 @@ def test_two_processes_match_one(tmp_path, tokens64, reference, offload):
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["devices"]["processes"] == 2 and summary["devices"]["count"] == 4
     assert summary["host_update"] == ("fused" if offload else None)
+    # process 0's host memory, in its records and at the end
+    peaks = [r["host_rss_peak_bytes"] for r in records(tmp_path / "two") if "loss" in r]
+    assert 0 < peaks[0] and peaks == sorted(peaks)
+    assert peaks[-1] <= summary["host_memory"]["host_rss_peak_bytes"]
     got, plain = losses(tmp_path / "two"), losses(reference)
     if not offload:
         np.testing.assert_allclose(got, plain, rtol=0, atol=1e-5)
