@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -173,7 +172,9 @@ def probe(args) -> dict:
         out.update(ok=False, reason=bench._reason(e))
     # The process's peak resident memory: the host side of offload (pinned buffers included),
     # to hold against the host state (target: <= 1.25x).
-    out["host_rss_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from zerojax.app.runlog import host_memory
+
+    out["host_rss_peak_bytes"] = host_memory()["host_rss_peak_bytes"]
     return out
 
 

@@ -484,7 +484,7 @@ def final_line(s: dict[str, Any], out: Path) -> str:
         parts.append(f"{t['tokens_per_s']:,.0f} tok/s")
     if t.get("tflops_per_device") is not None:
         parts.append(tflops_text(t))
-    peak = s.get("host_memory", {}).get("host_rss_peak_bytes")
+    peak = s["host_memory"].get("host_rss_peak_bytes")
     if s["config"].get("offload") and peak:  # what binds with offload: the host's memory
         parts.append(f"host peak {format_bytes(peak)}")
     parts.append(f"{t['wall_s']:.0f} s")

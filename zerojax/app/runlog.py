@@ -293,6 +293,9 @@ def batch_tokens(batch) -> int:
     return int(n) * jax.process_count()
 
 
+_rss_seen = 0  # host_memory's peak so far
+
+
 def host_memory() -> dict[str, int]:
     """`host_rss_bytes` and `host_rss_peak_bytes`: this process's resident set in host memory
     now and at its largest so far (the OS's count: with offload, the host state and the host
@@ -311,9 +314,6 @@ def host_memory() -> dict[str, int]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
     _rss_seen = max(_rss_seen, rss, peak * (1 if sys.platform == "darwin" else 1024))
     return {"host_rss_bytes": rss, "host_rss_peak_bytes": _rss_seen}
-
-
-_rss_seen = 0  # host_memory's peak so far
 
 
 def device_memory() -> dict[str, int]:
