@@ -29,6 +29,7 @@ from helpers import by_tag, sweep, tensorboard_scalars, wandb_history
 from zerojax.app import cli, options, peers, report, resume, sample, train
 from zerojax.app.data import embedded_corpus
 from zerojax.app.files import RunFileError
+from zerojax.app.records import MetricsLog
 from zerojax.models import GPT
 from zerojax.update import presets
 
@@ -495,23 +496,23 @@ def test_resume_on_a_full_disk_keeps_metrics_byte_identical(tmp_path, capsys, mo
     lack of space leaves it as it was and stops `zerojax train` with one line."""
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(METRICS)
-    log = report.MetricsLog(path, start=1)  # a normal resume drops step 2
+    log = MetricsLog(path, start=1)  # a normal resume drops step 2
     assert path.read_bytes() == METRICS[:METRICS.index(b'{"step": 2')]
     assert [r["step"] for r in log.records] == [0, 1]
     log.write({"step": 2, "loss": 3.9})
-    assert [r["step"] for r in report.MetricsLog(path, start=2).records] == [0, 1, 2]
+    assert [r["step"] for r in MetricsLog(path, start=2).records] == [0, 1, 2]
 
     path.write_bytes(METRICS)
     with monkeypatch.context() as m:
         full_disk(m)
-        assert report.MetricsLog(path, start=2).records[-1] == {"step": 2, "loss": 4.0}
+        assert MetricsLog(path, start=2).records[-1] == {"step": 2, "loss": 4.0}
         with pytest.raises(RunFileError, match=(
                 rf"^cannot write {path}: no space left on its device \([\d,.]+ (MB|bytes) "
                 rf"free\); metrics.jsonl is as it was. Free some space and run again$")):
-            report.MetricsLog(path, start=1)  # nothing to drop at 2: nothing written
+            MetricsLog(path, start=1)  # nothing to drop at 2: nothing written
         assert path.read_bytes() == METRICS
         m.setattr(train, "start_runtime", lambda cfg: None)
-        m.setattr(train, "train", lambda *args: report.MetricsLog(path, start=1))
+        m.setattr(train, "train", lambda *args: MetricsLog(path, start=1))
         assert train.main(["--model", "nano", "--steps", "2", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"zerojax train: error: cannot write {path}")
@@ -519,7 +520,7 @@ def test_resume_on_a_full_disk_keeps_metrics_byte_identical(tmp_path, capsys, mo
     # The move over the old file fails: the same, and no temporary file is left.
     monkeypatch.setattr(os, "replace", lambda *a: full_disk_error())
     with pytest.raises(RunFileError, match="metrics.jsonl is as it was"):
-        report.MetricsLog(path, start=1)
+        MetricsLog(path, start=1)
     assert path.read_bytes() == METRICS and not list(tmp_path.glob("*.tmp"))
 
 

@@ -173,7 +173,7 @@ class RunLog:
 
     def plot(self) -> None:
         """Redraws `loss.png` from the records so far (process 0)."""
-        from zerojax.app.report import plot_losses
+        from zerojax.app.records import plot_losses
 
         self._plotted = time.perf_counter()
         if self.lead and self.records:

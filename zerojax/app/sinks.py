@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zerojax.app.files import RunFileError, cannot_write, replace_file
-from zerojax.app.report import MetricsLog
+from zerojax.app.records import MetricsLog
 from zerojax.errors import ArgumentError
 
 # Record key -> tag, grouped as MaxText's TensorBoard scalars are.

@@ -177,7 +177,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax import checkpoint
     from zerojax.analysis import flops
     from zerojax.analysis.measurement import optimizer_state_size
-    from zerojax.app import report
+    from zerojax.app import records, report
     from zerojax.app.data import TokenBatches
     from zerojax.app.runlog import PeakWarning, RunLog, host_memory, mesh_text, over_peak
     from zerojax.config import ZeroConfig
@@ -373,13 +373,13 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         raise
     log.close()
 
-    summary = report.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
-                             measured, time.perf_counter() - t_start, eval_s, step, interrupted,
-                             flops={"per_step": step_flops, "formula": flops.formula(model),
-                                    "peak_tflops": peak, "peak_from": peak_from},
-                             host_update=engine.host_update, host_memory=host_memory())
+    summary = records.summary(cfg, log.records, times, num_params, devices, mesh, estimate,
+                              measured, time.perf_counter() - t_start, eval_s, step, interrupted,
+                              flops={"per_step": step_flops, "formula": flops.formula(model),
+                                     "peak_tflops": peak, "peak_from": peak_from},
+                              host_update=engine.host_update, host_memory=host_memory())
     if lead:
-        report.finish(out, summary)
+        records.finish(out, summary)
     if watch is not None:
         watch.leave(lead)
     if interrupted:
