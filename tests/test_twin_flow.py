@@ -103,6 +103,8 @@ def test_with_the_delayed_update_and_a_restore_twin_flow_is_full_offloads_run(ap
     assert twin._offload.on_devices("pending")
     # CPU devices of one client: Twin-Flow's delayed update in turn, full offload's beside
     assert (full._offload._apart(s0), twin._offload._apart(s1)) == (True, False)
+    # the thread the update runs on beside the devices' programs: made only where it does
+    assert (full._offload._thread is None, twin._offload._thread is None) == (False, True)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     close_run(twin.params(s1), full.params(s0), params)
     close_run(twin.optimizer_state(s1)[0].mu, full.optimizer_state(s0)[0].mu,

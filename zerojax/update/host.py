@@ -389,11 +389,13 @@ class HostOffload(HostPrograms):
         update inline (a fused pass's program it does: the call returns when the host is
         done). The first call is the caller's own, as SideBySide's: it traces and compiles
         under the caller's jax context, and its errors are the caller's; so is every call
-        where `_apart` says the update cannot run beside the devices' programs."""
-        if self._thread is None or not self._apart(state):
+        where `_apart` says the update cannot run beside the devices' programs (and then no
+        thread is made)."""
+        apart = self._apart(state)  # (read before the update donates the state)
+        if self._thread is None or not apart:
             done = Future()
             done.set_result(self._update(pending, state, True))
-            if self._thread is None:
+            if self._thread is None and apart:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
             return done
         return self._thread.submit(self._update, pending, state, True)
