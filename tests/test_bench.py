@@ -506,7 +506,8 @@ def test_gpu_bench_largest_alone_reads_the_device_memory_from_nvidia_smi(tmp_pat
 @pytest.mark.slow
 def test_offload_phases_times_the_engines_own_step(tmp_path):
     """experiments/offload_phases.py runs the offloaded step's programs and moves one by one:
-    two of its ordinary steps leave the params the engine's two steps give, bitwise, and its
+    two of its ordinary steps and one of its update as a step runs it leave the params the
+    engine's three steps give, bitwise, and its
     report has every phase, both steps, both forms of each move and offload's distance from
     the run without it."""
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -515,8 +516,9 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     eng, state, batch = offload_phases.engine("test", 2, None)
     _, kinds, state = offload_phases.phases(eng, state, batch, 2)
     assert kinds == ["device"]  # where the shards came up: the devices' own memory
+    _, state = offload_phases.sent(eng, state, batch, 1)  # the update as the step runs it
     ref, ref_state, _ = offload_phases.engine("test", 2, None)
-    for _ in range(2):
+    for _ in range(3):
         ref_state, _ = ref.step(ref_state, batch)
     assert_bitwise(eng.params(state), ref.params(ref_state))
     res = offload_phases.main(["--preset", "test", "--batch", "2", "--steps", "1",
@@ -531,7 +533,8 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     assert set(res["under_load_s"]) == {f"gradients, beside {cores} threads computing",
                                         f"gradients, beside {cores} threads copying"}
     assert all(v > 0 for v in res["under_load_s"].values())
-    assert res["step_s"] > 0 and res["delayed_step_s"] > 0
+    assert res["step_s"] > 0 and res["delayed_step_s"] > 0 and res["sent_update_s"] > 0
+    assert res["update_parts"] == 1  # the fused pass, its host mesh the mesh: one program
     # the engine's own delayed step, in the order it dispatches: the update of the last
     # gradient first, then the gradients program the update overlaps
     line = res["delayed_timeline_ms"]

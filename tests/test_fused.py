@@ -23,6 +23,7 @@ from helpers import (
 )
 from test_offload import Flat, _allocations, _entry, learn_units, runs
 from test_precision import BATCH as SEED_BATCH
+from test_state import assert_bitwise
 
 import zerojax as zj
 from zerojax.models import SeedMLP
@@ -263,3 +264,106 @@ def test_the_mask_is_read_as_optax_reads_it():
     assert eng.host_update == "fused"
     sizes = [math.prod(leaf.shape) for leaf in eng.layout.leaves]
     assert eng._offload.fused()[0].decay == [n > 1 for n in sizes] and min(sizes) <= 1 < max(sizes)
+
+
+def test_sending_runs_in_turn_and_sends_each_ones_results_as_it_ends():
+    """`parts.Sending`: each call's results go to `send` on a thread of its own while the next
+    call runs. A handshake proves it: call k + 1 starts only once send k has started, and send
+    k returns only once call k + 1 has started; in turn on one thread, it would wait for
+    ever (10 s here). The results come back in order."""
+    import threading
+
+    from zerojax.update.parts import Sending
+
+    n = 3
+    ran, sending = [threading.Event() for _ in range(n)], [threading.Event() for _ in range(n)]
+    main = threading.current_thread()
+
+    def call(k):
+        if k:
+            assert sending[k - 1].wait(10), f"call {k} ran before send {k - 1} began"
+        ran[k].set()
+        return ("out", k)
+
+    def send(k, out):
+        sending[k].set()
+        assert threading.current_thread() is not main and out == ("out", k)
+        if k + 1 < n:
+            assert ran[k + 1].wait(10), f"send {k} held call {k + 1} back"
+        return ("sent", k)
+
+    out, sent = Sending()([(call, (k,), k) for k in range(n)], send)
+    assert out == [("out", k) for k in range(n)] and sent == [("sent", k) for k in range(n)]
+
+
+@pytest.mark.parametrize("gpt, stage", [(False, 3), pytest.param(True, 1, marks=pytest.mark.slow)])
+def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_ends(
+        monkeypatch, tmp_path, gpt, stage):
+    """As on a GPU's host (CPU devices 4-7 stand in for its CPU beside a mesh on 0-3): a
+    step's fused update runs in parts (`parts.RUNS`), the largest first, and each part's
+    compute shards are put on the devices' mesh on the sending thread as it ends; the step's
+    own move up then moves none. With an ordinary step, delayed ones (the update on a thread
+    of its own beside the devices' program), clipping and a save in the delayed phase
+    restored halfway: the numbers of the one fused program on the mesh itself, bitwise. The
+    seed's MLP (its three leaves in two parts) and the test GPT (stacked leaves, stage 1's
+    gathers)."""
+    import threading
+
+    from jax.sharding import Mesh
+
+    import zerojax.update.host as host
+    from zerojax.update import parts
+
+    devices = jax.devices()
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer", delayed_update=2)
+    model = tiny_gpt() if gpt else SeedMLP()
+    batches = [gpt_batch(model.cfg, 8, s) if gpt else jax.tree.map(
+        lambda x, s=s: np.concatenate([x * (1 + s / 4)] * 4), SEED_BATCH) for s in range(4)]
+    params = model.init(jax.random.key(0))
+    stepping = [False]
+
+    def run(eng, save=None):
+        state, losses = eng.init_from(params, batches[0]), []
+        for i, b in enumerate(batches):
+            if save is not None and i == 2:
+                eng.save(state, save)
+                state = eng.restore(save)
+            stepping[0] = True
+            state, m = eng.step(state, b)
+            stepping[0] = False
+            losses.append(float(m["loss"]))
+        return np.array(losses), eng.params(state), eng.optimizer_state(state)
+
+    same = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
+    l0, p0, o0 = run(same)
+    monkeypatch.setattr(parts, "LEAST", 0)  # the test GPT's 0.1 M params in several parts
+    monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    eng = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
+    ups, runs_of, real = [], [], host.across
+
+    def across(xs, shardings, twin, by_shard):  # the moves up: on which thread, how many
+        if stepping[0] and twin is eng._offload._twins[1]:
+            ups.append((threading.current_thread().name.startswith("zerojax-send"), len(xs)))
+        return real(xs, shardings, twin, by_shard)
+
+    monkeypatch.setattr(host, "across", across)
+    sending = type(eng._offload._sending).__call__
+
+    def spied(self, calls, send):
+        runs_of.append([sum(math.prod(x.shape) for x in args[2]) for _, args, _ in calls])
+        return sending(self, calls, send)
+
+    monkeypatch.setattr(type(eng._offload._sending), "__call__", spied)
+    l1, p1, o1 = run(eng, tmp_path / "ckpt")
+    assert eng.host_update == "fused" and len(runs_of) == 4  # a step's update each
+    assert all(len(r) > 1 and r == sorted(r, reverse=True) for r in runs_of), runs_of  # largest first
+    leaves = len(jax.tree.leaves(params))
+    sent = [n for on_send, n in ups if on_send]
+    assert len(sent) == 4 * len(runs_of[0]) and sum(sent) == 4 * leaves
+    assert not [n for on_send, n in ups if not on_send and n]  # the step's own: nothing left
+    assert {x.sharding.mesh for x in jax.tree.leaves(p1)} == {mesh}
+    np.testing.assert_array_equal(l1, l0)
+    assert_bitwise(p1, p0)
+    assert_bitwise(jax.device_get(o1), jax.device_get(o0))

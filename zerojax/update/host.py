@@ -43,8 +43,15 @@ from zerojax.mesh import put_global
 from zerojax.step import learning_rate
 from zerojax.update.delayed import Pending
 from zerojax.update.host_programs import HostPrograms
-from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, twins
-from zerojax.update.parts import SideBySide, device_share, holds_collective, runs
+from zerojax.update.offload import OnMeshes, across, crosses, host_mesh, mesh_of, twins
+from zerojax.update.parts import (
+    RUNS,
+    Sending,
+    SideBySide,
+    device_share,
+    holds_collective,
+    runs,
+)
 
 HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
 
@@ -62,6 +69,8 @@ class HostOffload(HostPrograms):
         self.fraction = engine.config.offload_fraction
         self._order: list[int] = []  # the params' order in the update's parts (`_parted`)
         self._side_by_side = SideBySide()  # the host's parts, each from a thread of its own
+        self._sending = Sending()  # a fused update's runs, each one's shards up as it ends
+        self._sends = self.mesh != engine.mesh  # the host mesh apart: a move is a copy
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
         self._thread: ThreadPoolExecutor | None = None  # the delayed update's (`_beside`)
 
@@ -273,9 +282,12 @@ class HostOffload(HostPrograms):
 
     def up(self, shards: list) -> list:
         """Compute-dtype shards from the host mesh to the devices' mesh, in the order the
-        update's parts give them (`_parted`); Twin-Flow's are there already."""
+        update's parts give them (`_parted`); Twin-Flow's are there already, and so are those
+        the update sent as its runs ended (`Sending`)."""
         on = self.on_devices("master")
-        order = [i for i in (self._order or range(len(shards))) if i not in on]
+        sent = lambda x: self._sends and mesh_of(x) == self.engine.mesh
+        order = [i for i in (self._order or range(len(shards)))
+                 if i not in on and not sent(shards[i])]
         homes = self._moves()[1]
         moved = across([shards[i] for i in order], [homes[i] for i in order], self._twins[1],
                        self._crosses)
@@ -303,32 +315,39 @@ class HostOffload(HostPrograms):
         on = NamedSharding(self.mesh if mesh is None else mesh, P())
         return tuple(None if x is None else jax.device_put(x, on) for x in scalars)
 
-    def _update(self, reduced, state, donate: bool):
+    def _update(self, reduced, state, donate: bool, send: bool = False):
+        """(master, optimizer state, compute-dtype shards, {"lr"?}) of the update of `reduced`;
+        `send` (a step's): where the host mesh is apart from the devices' (a GPU's host), a
+        fused update runs in about `parts.RUNS` parts, and each part's shards are put on the
+        devices as it ends (`Sending`), while the next part updates."""
         grads, *scalars = reduced
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
         fused = self.fused()[0] is not None
-        if fused and not self.split()[0]:  # one pass per leaf, on every thread: no parts
+        send = send and fused and self._sends
+        if fused and not self.split()[0] and not send:  # one pass per leaf, on every thread
             self._order = []
             fn = self._update_fn(donate, finite, same, fused=True)
             return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
-        if self.split()[0] or len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
-            return self._parted(scalars, state, grads, donate, same)
+        if send or self.split()[0] or len(self.engine.plan.update.parts(finite, gdtypes)) > 1:
+            return self._parted(scalars, state, grads, donate, same, send)
         fn = self._update_fn(donate, finite, same)
         return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
 
-    def _parted(self, scalars, state, grads, donate: bool, same: bool):
+    def _parted(self, scalars, state, grads, donate: bool, same: bool, send: bool = False):
         """`_update` as its parts (parts.py): Twin-Flow's on the devices first, then the host's,
-        side by side, each dispatched from a thread of its own (`SideBySide`). On a GPU's host
-        `up` sends each host part's shards as soon as that part is done (`_order`)."""
+        side by side, each dispatched from a thread of its own (`SideBySide`); with `send`
+        (a fused pass's), the host's in turn, the largest first, each one's shards put on the
+        devices as it ends (`Sending`)."""
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
-        # with the fused pass, the host's leaves in one part (the pass runs on every thread)
+        # with the fused pass, the host's leaves in one part (the pass runs on every thread),
+        # or in RUNS to send
         fused = self.fused()[0] is not None
         parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same,
-                               host_parts=1 if fused else None, fused=fused)
+                               host_parts=(RUNS if send else 1) if fused else None, fused=fused)
         sharded = self.engine.plan.update.sharded
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)
@@ -341,8 +360,11 @@ class HostOffload(HostPrograms):
         args = [(*here[part.on_device], [master[i] for i in part.params],
                  [opt[j] for j in part.owned], [g[i] for i in part.params]) for part, _ in parts]
         device = [fn(*a) for (part, fn), a in zip(parts, args) if part.on_device]
-        host = self._side_by_side([(fn, a, self.mesh.size) for (part, fn), a in zip(parts, args)
-                                   if not part.on_device])
+        if send:
+            host = self._sent(parts, args)
+        else:
+            host = self._side_by_side([(fn, a, self.mesh.size) for (part, fn), a
+                                       in zip(parts, args) if not part.on_device])
         for (part, _), (m, o, s) in zip(parts, device + host, strict=True):
             for i, a, b in zip(part.params, m, s, strict=True):
                 new_master[i], shards[i] = a, b
@@ -355,6 +377,22 @@ class HostOffload(HostPrograms):
         lr = learning_rate(new_opt)
         return (jax.tree.unflatten(jax.tree.structure(state.master), new_master), new_opt,
                 shards, {} if lr is None else {"lr": lr})
+
+    def _sent(self, parts, args) -> list:
+        """The host's parts' results, each part run in turn, the largest first, with its
+        shards on the devices' mesh (`Sending`): in the parts' order."""
+        homes = self._moves()[1]
+        size = lambda k: sum(x.size for x in args[k][2])  # the part's master, as stored
+        mine = sorted((k for k, (part, _) in enumerate(parts) if not part.on_device),
+                      key=lambda k: -size(k))
+
+        def send(k, out):
+            params = parts[k][0].params
+            return across(out[2], [homes[i] for i in params], self._twins[1], self._crosses)
+
+        outs, moved = self._sending([(parts[k][1], args[k], k) for k in mine], send)
+        done = {k: (m, o, s) for k, (m, o, _), s in zip(mine, outs, moved, strict=True)}
+        return [done[k] for k in sorted(done)]
 
     def applied(self, state):
         """(master, optimizer state, compute-dtype shards) with the pending update applied
@@ -394,11 +432,11 @@ class HostOffload(HostPrograms):
         apart = self._apart(state)  # (read before the update donates the state)
         if self._thread is None or not apart:
             done = Future()
-            done.set_result(self._update(pending, state, True))
+            done.set_result(self._update(pending, state, True, send=True))
             if self._thread is None and apart:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
             return done
-        return self._thread.submit(self._update, pending, state, True)
+        return self._thread.submit(self._update, pending, state, True, True)
 
     def _apart(self, state) -> bool:
         """Whether the delayed update may run beside the gradients program: always where the
@@ -435,7 +473,8 @@ class HostOffload(HostPrograms):
             master, opt_state, shards, lr = applied.result()
             pending = self._store(grads, scalars)
         else:
-            master, opt_state, shards, lr = self._update((grads, *scalars), state, True)
+            master, opt_state, shards, lr = self._update((grads, *scalars), state, True,
+                                                         send=True)
             pending = state.pending
         compute = self._compute_of(self.up(shards), state.compute)
         metrics.update(jax.device_put(lr, NamedSharding(self.engine.mesh, P())))

@@ -13,9 +13,11 @@ so it is the same equations and gives the same numbers.
 
 Offload runs the parts (host.py): each part is dispatched as its own program of the CPU
 backend, from a thread of its own (`SideBySide`), so the parts update side by side, and on a
-GPU's host each part's shards start their way to the devices as soon as that part is done. An
-optimizer that ties every leaf to every other, or a model of fewer than 2 x LEAST params, is
-one part: the one program, as before.
+GPU's host each part's shards start their way to the devices as soon as that part is done. A
+fused pass (fused.py) runs on every thread of the host by itself and inline: on a GPU's host
+a step runs it in about RUNS parts in turn, each part's shards sent up on a thread of its own
+as it ends (`Sending`). An optimizer that ties every leaf to every other, or a model of fewer
+than 2 x LEAST params, is one part: the one program, as before.
 
 Why threads: XLA:CPU splits an elementwise fusion that reads more bytes than it computes (an
 optimizer's update) into at most ceil(sqrt(cores)) tasks, 4 on a 16-core host, about a quarter
@@ -34,6 +36,7 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public for
 from jax.extend import core as jcore
 
 PARTS = 8  # the update in about this many parts, by bytes
+RUNS = 4  # a fused update whose shards go to a GPU (`Sending`) in about this many parts
 LEAST = 1 << 24  # params in a part at least (or one group): below, one program costs less
 
 
@@ -239,6 +242,28 @@ class SideBySide:
             out[k] = fn(*args) if first or self._alone[fn] or len(calls) == 1 else \
                 self._pool.submit(fn, *args)
         return [x.result() if isinstance(x, Future) else x for x in out]
+
+
+class Sending:
+    """Programs that XLA:CPU runs inline, to their end, on the calling thread (a fused pass's),
+    called one after the other, each one's results handed to `send` on a thread of its own as
+    soon as it ends. On a GPU's host a run's compute-dtype shards so go up to the devices
+    while the next run updates, and the step waits for the last run's upload alone (a move
+    between the two backends copies on the thread that asks for it: `offload.across`).
+    Gives (the programs' results, what `send` gave for each), in order."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, calls: list[tuple], send: Callable) -> tuple[list, list]:
+        """`calls`: [(jitted fn, args, what `send` is called with beside fn's results)]."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zerojax-send")
+        out, sent = [], []
+        for fn, args, what in calls:
+            out.append(fn(*args))
+            sent.append(self._pool.submit(send, what, out[-1]))
+        return out, [x.result() for x in sent]
 
 
 def device_share(found: list[list[int]], sizes: list[int], fraction: float) -> frozenset[int]:
