@@ -358,7 +358,8 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     monkeypatch.setattr(type(eng._offload._sending), "__call__", spied)
     l1, p1, o1 = run(eng, tmp_path / "ckpt")
     assert eng.host_update == "fused" and len(runs_of) == 4  # a step's update each
-    assert all(len(r) > 1 and r == sorted(r, reverse=True) for r in runs_of), runs_of  # largest first
+    # in parts, the largest first
+    assert all(len(r) > 1 and r == sorted(r, reverse=True) for r in runs_of), runs_of
     leaves = len(jax.tree.leaves(params))
     sent = [n for on_send, n in ups if on_send]
     assert len(sent) == 4 * len(runs_of[0]) and sum(sent) == 4 * leaves
