@@ -24,6 +24,7 @@ from helpers import (
 from test_offload import Flat, _allocations, _entry, learn_units, runs
 from test_precision import BATCH as SEED_BATCH
 from test_state import assert_bitwise
+from test_twin_flow import run as run_saving
 
 import zerojax as zj
 from zerojax.models import SeedMLP
@@ -321,29 +322,22 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     batches = [gpt_batch(model.cfg, 8, s) if gpt else jax.tree.map(
         lambda x, s=s: np.concatenate([x * (1 + s / 4)] * 4), SEED_BATCH) for s in range(4)]
     params = model.init(jax.random.key(0))
-    stepping = [False]
-
-    def run(eng, save=None):
-        state, losses = eng.init_from(params, batches[0]), []
-        for i, b in enumerate(batches):
-            if save is not None and i == 2:
-                eng.save(state, save)
-                state = eng.restore(save)
-            stepping[0] = True
-            state, m = eng.step(state, b)
-            stepping[0] = False
-            losses.append(float(m["loss"]))
-        return np.array(losses), eng.params(state), eng.optimizer_state(state)
-
     same = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
-    l0, p0, o0 = run(same)
+    l0, s0 = run_saving(same, batches, params)
     monkeypatch.setattr(parts, "LEAST", 0)  # the test GPT's 0.1 M params in several parts
     monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
         m.devices.shape), m.axis_names, axis_types=m.axis_types))
     eng = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
-    ups, runs_of, real = [], [], host.across
+    ups, runs_of, real, stepping, step = [], [], host.across, [False], eng._offload.step
 
-    def across(xs, shardings, twin, by_shard):  # the moves up: on which thread, how many
+    def stepped(state, batch):
+        stepping[0] = True
+        try:
+            return step(state, batch)
+        finally:
+            stepping[0] = False
+
+    def across(xs, shardings, twin, by_shard):  # a step's moves up: on which thread, how many
         if stepping[0] and twin is eng._offload._twins[1]:
             ups.append((threading.current_thread().name.startswith("zerojax-send"), len(xs)))
         return real(xs, shardings, twin, by_shard)
@@ -356,7 +350,8 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
         return sending(self, calls, send)
 
     monkeypatch.setattr(type(eng._offload._sending), "__call__", spied)
-    l1, p1, o1 = run(eng, tmp_path / "ckpt")
+    monkeypatch.setattr(eng._offload, "step", stepped)
+    l1, s1 = run_saving(eng, batches, params, tmp_path / "ckpt")
     assert eng.host_update == "fused" and len(runs_of) == 4  # a step's update each
     # in parts, the largest first
     assert all(len(r) > 1 and r == sorted(r, reverse=True) for r in runs_of), runs_of
@@ -364,7 +359,9 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     sent = [n for on_send, n in ups if on_send]
     assert len(sent) == 4 * len(runs_of[0]) and sum(sent) == 4 * leaves
     assert not [n for on_send, n in ups if not on_send and n]  # the step's own: nothing left
+    p1 = eng.params(s1)
     assert {x.sharding.mesh for x in jax.tree.leaves(p1)} == {mesh}
     np.testing.assert_array_equal(l1, l0)
-    assert_bitwise(p1, p0)
-    assert_bitwise(jax.device_get(o1), jax.device_get(o0))
+    assert_bitwise(p1, same.params(s0))
+    assert_bitwise(jax.device_get(eng.optimizer_state(s1)),
+                   jax.device_get(same.optimizer_state(s0)))
