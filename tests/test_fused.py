@@ -313,7 +313,7 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     from jax.sharding import Mesh
 
     import zerojax.update.host as host
-    from zerojax.update import parts
+    from zerojax.update import moves, parts
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=4, devices=devices[:4])
@@ -328,7 +328,7 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
         m.devices.shape), m.axis_names, axis_types=m.axis_types))
     eng = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
-    ups, runs_of, real, stepping, step = [], [], host.across, [False], eng._offload.step
+    ups, runs_of, real, stepping, step = [], [], moves.across, [False], eng._offload.step
 
     def stepped(state, batch):
         stepping[0] = True
@@ -342,7 +342,7 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
             ups.append((threading.current_thread().name.startswith("zerojax-send"), len(xs)))
         return real(xs, shardings, twin, by_shard)
 
-    monkeypatch.setattr(host, "across", across)
+    monkeypatch.setattr(moves, "across", across)
     sending = type(eng._offload._sending).__call__
 
     def spied(self, calls, send):
