@@ -506,19 +506,22 @@ def test_gpu_bench_largest_alone_reads_the_device_memory_from_nvidia_smi(tmp_pat
 @pytest.mark.slow
 def test_offload_phases_times_the_engines_own_step(tmp_path):
     """experiments/offload_phases.py runs the offloaded step's programs and moves one by one:
-    two of its ordinary steps and one of its update as a step runs it leave the params the
-    engine's three steps give, bitwise, and its
+    two of its ordinary steps and two of its update as a step runs it (in parts, in one part)
+    leave the params the engine's four steps give, bitwise, and its
     report has every phase, both steps, both forms of each move and offload's distance from
     the run without it."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import offload_phases
 
+    from zerojax.update.parts import RUNS
+
     eng, state, batch = offload_phases.engine("test", 2, None)
     _, kinds, state = offload_phases.phases(eng, state, batch, 2)
     assert kinds == ["device"]  # where the shards came up: the devices' own memory
     _, state = offload_phases.sent(eng, state, batch, 1)  # the update as the step runs it
+    assert eng._offload.runs == RUNS  # (as it was: the one-part form's runs undone)
     ref, ref_state, _ = offload_phases.engine("test", 2, None)
-    for _ in range(3):
+    for _ in range(4):
         ref_state, _ = ref.step(ref_state, batch)
     assert_bitwise(eng.params(state), ref.params(ref_state))
     res = offload_phases.main(["--preset", "test", "--batch", "2", "--steps", "1",
@@ -533,7 +536,8 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     assert set(res["under_load_s"]) == {f"gradients, beside {cores} threads computing",
                                         f"gradients, beside {cores} threads copying"}
     assert all(v > 0 for v in res["under_load_s"].values())
-    assert res["step_s"] > 0 and res["delayed_step_s"] > 0 and res["sent_update_s"] > 0
+    assert res["step_s"] > 0 and res["delayed_step_s"] > 0
+    assert set(res["sent_s"]) == {"in parts", "in one part"} and min(res["sent_s"].values()) > 0
     assert res["update_parts"] == 1  # the fused pass, its host mesh the mesh: one program
     # the engine's own delayed step, in the order it dispatches: the update of the last
     # gradient first, then the gradients program the update overlaps

@@ -300,14 +300,14 @@ def test_sending_runs_in_turn_and_sends_each_ones_results_as_it_ends():
 @pytest.mark.parametrize("gpt, stage", [(False, 3), pytest.param(True, 1, marks=pytest.mark.slow)])
 def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_ends(
         monkeypatch, tmp_path, gpt, stage):
-    """As on a GPU's host (CPU devices 4-7 stand in for its CPU beside a mesh on 0-3): a
-    step's fused update runs in parts (`parts.RUNS`), the largest first, and each part's
-    compute shards are put on the devices' mesh on the sending thread as it ends; the step's
-    own move up then moves none. With an ordinary step, delayed ones (the update on a thread
-    of its own beside the devices' program), clipping and a save in the delayed phase
-    restored halfway: the numbers of the one fused program on the mesh itself, bitwise. The
-    seed's MLP (its three leaves in two parts) and the test GPT (stacked leaves, stage 1's
-    gathers)."""
+    """As on a GPU's host (CPU devices 4-7 stand in for its CPU beside a mesh on 0-3), with
+    `runs` 4 (`parts.RUNS`, 1 by default): a step's fused update runs in parts, the largest
+    first, and each part's compute shards are put on the devices' mesh on the sending thread
+    as it ends; the step's own move up then moves none. With an ordinary step, delayed ones
+    (the update on a thread of its own beside the devices' program), clipping and a save in
+    the delayed phase restored halfway: the numbers of the one fused program on the mesh
+    itself, bitwise. The seed's MLP (its three leaves in two parts) and the test GPT (stacked
+    leaves, stage 1's gathers)."""
     import threading
 
     from jax.sharding import Mesh
@@ -328,6 +328,8 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
         m.devices.shape), m.axis_names, axis_types=m.axis_types))
     eng = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
+    assert eng._offload.runs == parts.RUNS == 1  # off by default: in one part, sent after
+    eng._offload.runs = 4
     ups, runs_of, real, stepping, step = [], [], moves.across, [False], eng._offload.step
 
     def stepped(state, batch):

@@ -72,6 +72,7 @@ class HostOffload(HostPrograms, HostMoves):
         self._side_by_side = SideBySide()  # the host's parts, each from a thread of its own
         self._sending = Sending()  # a fused update's runs, each one's shards up as it ends
         self._sends = self.mesh != engine.mesh  # the host mesh apart: a move is a copy
+        self.runs = RUNS  # a sent fused update's parts, about (1: none sent, the upload after)
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
         self._thread: ThreadPoolExecutor | None = None  # the delayed update's (`_beside`)
 
@@ -263,15 +264,15 @@ class HostOffload(HostPrograms, HostMoves):
 
     def _update(self, reduced, state, donate: bool, send: bool = False):
         """(master, optimizer state, compute-dtype shards, {"lr"?}) of the update of `reduced`;
-        `send` (a step's): where the host mesh is apart from the devices' (a GPU's host), a
-        fused update runs in about `parts.RUNS` parts, and each part's shards are put on the
-        devices as it ends (`Sending`), while the next part updates."""
+        `send` (a step's): where the host mesh is apart from the devices' (a GPU's host) and
+        `runs` (`parts.RUNS`) > 1, a fused update runs in about `runs` parts, and each part's
+        shards are put on the devices as it ends (`Sending`), while the next part updates."""
         grads, *scalars = reduced
         # The gradient's buffer takes the shards where their dtypes agree.
         same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
         finite, gdtypes = scalars[2] is not None, [g.dtype for g in jax.tree.leaves(grads)]
         fused = self.fused()[0] is not None
-        send = send and fused and self._sends
+        send = send and fused and self._sends and self.runs > 1
         if fused and not self.split()[0] and not send:  # one pass per leaf, on every thread
             self._order = []
             fn = self._update_fn(donate, finite, same, fused=True)
@@ -290,10 +291,11 @@ class HostOffload(HostPrograms, HostMoves):
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
         # with the fused pass, the host's leaves in one part (the pass runs on every thread),
-        # or in RUNS to send
+        # or in `runs` to send
         fused = self.fused()[0] is not None
+        host_parts = (self.runs if send else 1) if fused else None
         parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same,
-                               host_parts=(RUNS if send else 1) if fused else None, fused=fused)
+                               host_parts=host_parts, fused=fused)
         sharded = self.engine.plan.update.sharded
         shared = [opt[j] for j, s in enumerate(sharded) if not s]
         new_master, new_opt, shards = [None] * len(master), list(opt), [None] * len(master)

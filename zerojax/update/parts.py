@@ -14,10 +14,10 @@ so it is the same equations and gives the same numbers.
 Offload runs the parts (host.py): each part is dispatched as its own program of the CPU
 backend, from a thread of its own (`SideBySide`), so the parts update side by side, and on a
 GPU's host each part's shards start their way to the devices as soon as that part is done. A
-fused pass (fused.py) runs on every thread of the host by itself and inline: on a GPU's host
-a step runs it in about RUNS parts in turn, each part's shards sent up on a thread of its own
-as it ends (`Sending`). An optimizer that ties every leaf to every other, or a model of fewer
-than 2 x LEAST params, is one part: the one program, as before.
+fused pass (fused.py) runs on every thread of the host by itself and inline: on a GPU's host,
+with RUNS > 1, a step runs it in about RUNS parts in turn, each part's shards sent up on a
+thread of its own as it ends (`Sending`). An optimizer that ties every leaf to every other,
+or a model of fewer than 2 x LEAST params, is one part: the one program, as before.
 
 Why threads: XLA:CPU splits an elementwise fusion that reads more bytes than it computes (an
 optimizer's update) into at most ceil(sqrt(cores)) tasks, 4 on a 16-core host, about a quarter
@@ -36,7 +36,10 @@ from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public for
 from jax.extend import core as jcore
 
 PARTS = 8  # the update in about this many parts, by bytes
-RUNS = 4  # a fused update whose shards go to a GPU (`Sending`) in about this many parts
+# A fused update whose shards go to a GPU (`Sending`) in about this many parts; 1: in one, its
+# shards up after it, as before (the default until a GPU measures the overlap: on a host whose
+# memory bandwidth the pass fills, the uploads' copies take theirs from it; docs/performance.md)
+RUNS = 1
 LEAST = 1 << 24  # params in a part at least (or one group): below, one program costs less
 
 
