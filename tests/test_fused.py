@@ -297,17 +297,20 @@ def test_sending_runs_in_turn_and_sends_each_ones_results_as_it_ends():
     assert out == [("out", k) for k in range(n)] and sent == [("sent", k) for k in range(n)]
 
 
-@pytest.mark.parametrize("gpt, stage", [(False, 3), pytest.param(True, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("gpt, stage, fraction", [
+    (False, 3, 1.0), pytest.param(True, 1, 1.0, marks=pytest.mark.slow),
+    pytest.param(True, 3, 0.5, marks=pytest.mark.slow)])
 def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_ends(
-        monkeypatch, tmp_path, gpt, stage):
+        monkeypatch, tmp_path, gpt, stage, fraction):
     """As on a GPU's host (CPU devices 4-7 stand in for its CPU beside a mesh on 0-3), with
     `runs` 4 (`parts.RUNS`, 1 by default): a step's fused update runs in parts, the largest
     first, and each part's compute shards are put on the devices' mesh on the sending thread
     as it ends; the step's own move up then moves none. With an ordinary step, delayed ones
     (the update on a thread of its own beside the devices' program), clipping and a save in
     the delayed phase restored halfway: the numbers of the one fused program on the mesh
-    itself, bitwise. The seed's MLP (its three leaves in two parts) and the test GPT (stacked
-    leaves, stage 1's gathers)."""
+    itself, bitwise. The seed's MLP (its three leaves in two parts), the test GPT (stacked
+    leaves, stage 1's gathers) and Twin-Flow (the devices' share updated first, on the
+    devices, and never sent)."""
     import threading
 
     from jax.sharding import Mesh
@@ -317,7 +320,8 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=4, devices=devices[:4])
-    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer", delayed_update=2)
+    cfg = zj.ZeroConfig(stage=stage, clip_norm=CLIP, offload="optimizer", delayed_update=2,
+                        offload_fraction=fraction)
     model = tiny_gpt() if gpt else SeedMLP()
     batches = [gpt_batch(model.cfg, 8, s) if gpt else jax.tree.map(
         lambda x, s=s: np.concatenate([x * (1 + s / 4)] * 4), SEED_BATCH) for s in range(4)]
@@ -357,7 +361,8 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     assert eng.host_update == "fused" and len(runs_of) == 4  # a step's update each
     # in parts, the largest first
     assert all(len(r) > 1 and r == sorted(r, reverse=True) for r in runs_of), runs_of
-    leaves = len(jax.tree.leaves(params))
+    leaves = len(jax.tree.leaves(params)) - len(eng._offload.on_devices("master"))
+    assert leaves > 0 and (fraction == 1) == (leaves == len(jax.tree.leaves(params)))
     sent = [n for on_send, n in ups if on_send]
     assert len(sent) == 4 * len(runs_of[0]) and sum(sent) == 4 * leaves
     assert not [n for on_send, n in ups if not on_send and n]  # the step's own: nothing left
