@@ -25,8 +25,9 @@ from conftest import FAST_COMPILE
 from helpers import CLIP, adamw, assert_tree_close, gpt_batch, sweep, tiny_gpt
 
 import zerojax as zj
+from zerojax import checkpoint as ck
 from zerojax.app import sample, train
-from zerojax.checkpoint import store as ck
+from zerojax.checkpoint import store
 from zerojax.checkpoint.arrays import open_array, stored_arrays
 from zerojax.models import GPT
 from zerojax.models.gpt import GPTConfig
@@ -276,7 +277,7 @@ def test_data_files_are_bounded(ref, tmp_path, monkeypatch):
     host memory until it is written; its default, 2 GiB, took 0.9x of a large tree), a larger
     leaf in chunks of at most that: restore and export read the same values."""
     target = 16 * 1024
-    monkeypatch.setattr(ck, "DATA_FILE_BYTES", target)
+    monkeypatch.setattr(store, "DATA_FILE_BYTES", target)
     engine = make_engine(1, 2)
     engine.save(engine.restore(ref.dir), tmp_path / "c")
     path = tmp_path / "c"
@@ -493,7 +494,7 @@ def test_checksum_sees_swapped_rows_and_the_scalars(ref, tmp_path, capsys):
     """Data moved within a leaf (rows swapped, a kernel transposed), step counter and loss
     scale changed, under the original record: each named."""
     engine = shared_engine(3, 8)
-    tree, _ = ck._saver(engine)[0](engine.restore(ref.dir))
+    tree, _ = store._saver(engine)[0](engine.restore(ref.dir))
     p = tree["params"]
     tok, kernel = p["embed"]["tok"], p["blocks"]["attn"]["out"]["kernel"]
     assert kernel.shape == (2, 32, 32) and not np.array_equal(tok[1], tok[2])
@@ -503,9 +504,9 @@ def test_checksum_sees_swapped_rows_and_the_scalars(ref, tmp_path, capsys):
     tree["loss_scale"]["good_steps"] = tree["loss_scale"]["good_steps"] + 1
     d = tmp_path / "ckpt"
     meta = json.loads((ref.dir / "3" / "meta" / "metadata").read_text())
-    mngr = ck._manager(d, create=True)
-    mngr.save(3, args=ck.ocp.args.Composite(state=ck.ocp.args.PyTreeSave(tree),
-                                            meta=ck.ocp.args.JsonSave(meta)))
+    mngr = store._manager(d, create=True)
+    mngr.save(3, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree),
+                                      meta=ocp.args.JsonSave(meta)))
     mngr.wait_until_finished()
     with pytest.raises(zj.CheckpointError, match=(
             r"corrupted: checksum mismatch in params\['blocks'\]\['attn'\]\['out'\]\['kernel'\]; "

@@ -16,7 +16,7 @@ from test_offload import assert_placement
 from test_state import assert_bitwise
 
 import zerojax as zj
-from zerojax.checkpoint import store
+from zerojax.checkpoint import load
 from zerojax.update.offload import OnMeshes
 
 apart = test_twin_flow.apart  # the fixture: the host mesh on CPU devices 4-7
@@ -36,9 +36,9 @@ def spied(monkeypatch):
         seen["read"] = [(name, x) for _, name, x in named]
         return read(stored, named, where)
 
-    read = store.read_arrays
+    read = load.read_arrays
     monkeypatch.setattr(ocp.args, "PyTreeSave", on_save)
-    monkeypatch.setattr(store, "read_arrays", on_read)
+    monkeypatch.setattr(load, "read_arrays", on_read)
     return seen
 
 
@@ -147,8 +147,8 @@ def test_one_devices_save_is_a_view_and_its_restore_frees_the_tree_as_it_goes(mo
 
     monkeypatch.setattr(host, "RESTORE_LEAST", 0)
     read = []
-    spy = store.read_arrays
-    monkeypatch.setattr(store, "read_arrays", lambda *a: read.append(spy(*a)) or read[-1])
+    spy = load.read_arrays
+    monkeypatch.setattr(load, "read_arrays", lambda *a: read.append(spy(*a)) or read[-1])
     back = eng.restore(tmp_path / "ckpt")
     n = len(jax.tree.leaves(back.master))
     hosted = read[0][:n + len(jax.tree.leaves(back.opt_state))]  # params, then opt_state

@@ -17,7 +17,9 @@ import pytest
 from helpers import full_disk_after
 
 import zerojax as zj
-from zerojax.checkpoint import store as ck
+from zerojax import checkpoint as ck
+from zerojax.checkpoint import store
+from zerojax.checkpoint.load import MisnamedStep
 from zerojax.models import SeedMLP
 
 BATCH = {"x": np.array([[1.0, 3.0], [2.0, 1.0]], np.float32), "y": np.array([5.0, 7.0],
@@ -49,7 +51,7 @@ def test_keep_is_a_positive_count_that_keeps_the_new_step(seed, tmp_path, monkey
                                                  r"the new one included\) or None"):
             e.save(state, tmp_path, step=9, keep=keep)
     assert ck.steps(tmp_path) == [5, 8]  # keep=0 used to delete both, and the new step 9
-    monkeypatch.setattr(ck, "KEEP", 0)  # the module default is checked as well
+    monkeypatch.setattr(store, "KEEP", 0)  # the module default is checked as well
     with pytest.raises(zj.ConfigError, match="keep=0"):
         e.save(state, tmp_path, step=9)
     monkeypatch.undo()
@@ -110,9 +112,9 @@ def test_a_step_directory_renamed_to_a_name_is_named(seed, tmp_path):
     note = (rf"{tmp_path} holds step directories whose names are not step numbers, which no "
             rf"restore sees: best \(step 2 by its record\); rename one to its step number to "
             rf"use it")
-    with pytest.warns(ck.MisnamedStep, match=note):
+    with pytest.warns(MisnamedStep, match=note):
         assert ck.steps(tmp_path) == [1]
-    with pytest.warns(ck.MisnamedStep, match=note):
+    with pytest.warns(MisnamedStep, match=note):
         assert int(e.restore(tmp_path).step) == 1
     os.rename(tmp_path / "1", tmp_path / "1.old")
     with pytest.raises(zj.CheckpointError, match=rf"^{tmp_path} holds no complete checkpoint "
@@ -120,7 +122,7 @@ def test_a_step_directory_renamed_to_a_name_is_named(seed, tmp_path):
                                                  rf"step numbers: 1.old \(step 1 by its "
                                                  rf"record\), best \(step 2 by its record\); "
                                                  rf"rename one to its step number to use it$"):
-        with pytest.warns(ck.MisnamedStep):
+        with pytest.warns(MisnamedStep):
             e.restore(tmp_path)
 
 

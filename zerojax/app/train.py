@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                       offload_fraction=cfg.offload_fraction or 1.0)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
-        from zerojax.checkpoint.store import MisnamedStep, misnamed_note
+        from zerojax.checkpoint.load import MisnamedStep, misnamed_note
 
         warnings.simplefilter("ignore", MisnamedStep)  # a note of the table says it instead
         notes += filter(None, [misnamed_note(ckpt)])

@@ -16,8 +16,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.arrays import open_array, stored_arrays
+from zerojax.checkpoint.load import _open
 from zerojax.checkpoint.record import np_checksum, why
-from zerojax.checkpoint.store import _dir, _open
+from zerojax.checkpoint.store import _dir
 from zerojax.errors import ArgumentError, CheckpointError
 
 STATE_PREFIX = "model_state"  # the model state's keys in an export: model_state/<its keys>
