@@ -341,6 +341,62 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     assert f"host peak {format_bytes(end['host_rss_peak_bytes'])}, " in out.splitlines()[-1]
 
 
+def test_offload_past_the_hosts_available_memory_is_refused_before_init(tmp_path, tokens64,
+                                                                        capsys, monkeypatch):
+    """With offload, this process's share of the host state at the update's peak against the
+    host memory available: over it, one line and exit 2 before init makes anything; exactly
+    it, no error. At stage 3 in bf16 a param takes 16 bytes there: the float32 master 4,
+    Adam's moments 8, the gradient that came down and the compute shard that goes up 2 + 2."""
+    import types
+
+    import psutil
+
+    from zerojax.analysis.accounting import format_bytes
+    from zerojax.engine import Engine
+    from zerojax.models import get_model
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main sets it; restore
+    model = get_model("test")
+    psi = sum(math.prod(x.shape)
+              for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+    need = 16 * psi  # over the 4 devices, all this process's
+    argv = ["--model", "test", "--batch", "8", "--data", str(tokens64), "--devices", "4",
+            "--steps", "3", "--stage", "3", "--param-dtype", "bfloat16", "--offload",
+            "optimizer", "--out", str(tmp_path / "run")]
+    available = lambda n: types.SimpleNamespace(available=n)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: available(need - 1))
+    made = []
+    monkeypatch.setattr(Engine, "init", lambda *a: made.append(a))
+    assert train.main(argv) == 2 and not made
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"zerojax train: error: --offload optimizer: this process's 4 device(s) need about "
+        f"{format_bytes(need)} of host memory while the update runs ({format_bytes(need / 4)} "
+        f"each: the float32 master, the Adam moments, the gradient and compute shards"), err
+    assert f"but {format_bytes(need - 1)} is available; train a smaller --model" in err
+    assert not [p.name for p in (tmp_path / "run").rglob("*") if p.is_file()]  # nothing run
+
+    cfg = options.validate(options.parse_args(argv))
+    optimizer, _ = options.make_optimizer(cfg)
+    for free, refused in ((need, False), (need - 1, True)):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda free=free: available(free))
+        try:
+            train.check_host_memory(cfg, model, optimizer, jax.devices()[:4], 0)
+        except options.UsageError:
+            assert refused
+        else:
+            assert not refused
+    # Twin-Flow at 0.5: the host holds and updates half the params, and moves half
+    half = dataclasses.replace(cfg, offload_fraction=0.5)
+    assert report.host_need(half, model, optimizer, jax.devices()[:4], 0)[0] == need / 2
+    # A model axis: every param taken as split over data × model, the least the run needs
+    # (a param the axis does not split has its state on each model device).
+    axis = dataclasses.replace(cfg, model_parallel=2)
+    assert report.host_need(axis, model, optimizer, jax.devices()[:4], 0)[0] == need
+    assert report.host_need(dataclasses.replace(cfg, offload=None), model, optimizer,
+                            jax.devices()[:4], 0) == (0.0, None)
+
+
 @pytest.mark.slow
 def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch):
     """`--offload optimizer --delayed-update 1`: a resume from a step saved in the delayed phase

@@ -229,6 +229,23 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
                        grad_dtype)
 
 
+def host_need(cfg, model, optimizer, devices, process: int) -> tuple[float, RunEstimate | None]:
+    """With offload, before anything is allocated: the host memory this process's devices'
+    shares of the state need while the update runs (`MemoryEstimate.host_peak` of each of
+    them), and the run's estimate; (0, None) without offload. Where a model axis splits
+    the params, all of them are taken as split: the least the run can need."""
+    if cfg.offload is None:
+        return 0.0, None
+    from zerojax.update.presets import state_size
+
+    size = state_size(optimizer, jax.eval_shape(model.init, jax.random.key(0)))
+    split = size.num_params if getattr(cfg, "model_parallel", 1) > 1 else None
+    estimate = estimate_for(size.num_params, len(devices), cfg.stage, cfg, size.per_param,
+                            split)
+    mine = sum(d.process_index == process for d in devices)
+    return estimate.memory.host_peak * mine, estimate
+
+
 def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
                  start: int) -> list[tuple[str, str]]:
     """The facts a run prints before it starts."""

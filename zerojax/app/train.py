@@ -220,6 +220,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             cfg = resume_optimizer(cfg, saved)
     optimizer, schedule = make_optimizer(cfg)
     engine = Engine(model, optimizer, mesh, zcfg)
+    check_host_memory(cfg, model, optimizer, devices, pi)
 
     train_tokens, eval_tokens, data_desc = data
     batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch, cfg.seed, pi, pc)
@@ -389,6 +390,29 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
             print(f"zerojax train: interrupted at step {step}; {saved_msg}", file=sys.stderr)
         return 128 + (stop.signum or signal.SIGINT)  # 130 for Ctrl-C, 143 for SIGTERM
     return 0
+
+
+def check_host_memory(cfg: TrainConfig, model, optimizer, devices, process: int) -> None:
+    """With offload, before the state is made: a UsageError when this process's share of the
+    host state, at the update's peak, exceeds the host memory available now. Such a run is
+    otherwise ended by the out-of-memory killer, without a word, once init fills the host."""
+    import psutil
+
+    from zerojax.analysis.accounting import format_bytes as fmt
+    from zerojax.app import report
+
+    need, estimate = report.host_need(cfg, model, optimizer, devices, process)
+    free = psutil.virtual_memory().available
+    if need <= free:
+        return
+    mine = sum(d.process_index == process for d in devices)
+    raise UsageError(
+        f"--offload {cfg.offload}: this process's {mine} device(s) need about {fmt(need)} of "
+        f"host memory while the update runs ({fmt(estimate.memory.host_peak)} each: the "
+        f"float32 master, the {estimate.held}, the gradient and compute shards; `zerojax "
+        f"estimate` counts it), but {fmt(free)} is available; train a smaller --model, keep "
+        f"part of the state on the devices (--offload-fraction below 1), or spread the run "
+        f"over more hosts")
 
 
 def last_good(ckpt: Path) -> str:
