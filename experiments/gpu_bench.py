@@ -348,7 +348,55 @@ def markdown(parts: dict) -> str:
                          f"{_peak(best) if best else '-'} | {rss} | "
                          f"{r['first_failing'] or '-'} | {fail['reason'] if fail else '-'} |")
         lines.append("")
+    rows = targets(parts)
+    if any(met is not None for _, _, met in rows):
+        lines += ["## Offload's targets", "", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {t} | {m} | {'-' if met is None else 'yes' if met else 'no'} |"
+                  for t, m, met in rows]
+        lines.append("")
     return "\n".join(lines)
+
+
+# Offload's targets on one GPU at the 1b preset (docs/performance.md, "GPU: one H100"): its step
+# and its delayed step against plain optax's, its compiled host peak against its host state,
+# and the largest GPT it steps against the planner's prediction and the 7b shape.
+STEP_LIMITS = ((OFFLOAD, 2.5, "offload's step"), (OFFLOAD_DPU, 1.5, "offload's delayed step"))
+HOST_PEAK_LIMIT = 1.25
+LARGEST_AT_LEAST = "7b"
+
+
+def targets(parts: dict) -> list[tuple[str, str, bool | None]]:
+    """(target, what the parts measured, met: None where they did not measure it) for each of
+    offload's targets."""
+    bench = parts.get("bench") or {}
+    variants, base = bench.get("variants", {}), bench.get("baseline")
+    ok = {n: r for n, r in variants.items() if r.get("status") == "ok"}
+    rows = []
+    for name, limit, what in STEP_LIMITS:
+        x = ok[name]["ratio"] if name in ok else None
+        rows.append((f"{what} ≤ {limit}× {base or 'the baseline'}'s",
+                     "not measured" if x is None else f"{x:.2f}×",
+                     None if x is None else x <= limit))
+    peaks = [(r["host_peak_bytes"] / r["host_state_bytes"], LABELS.get(n, n))
+             for n, r in ok.items() if r.get("host_peak_bytes") and r.get("host_state_bytes")]
+    worst = max(peaks, default=None)
+    rows.append((f"host peak ≤ {HOST_PEAK_LIMIT}× the host state (compiled; the largest of "
+                 f"the offloaded variants)",
+                 "not measured" if worst is None else f"{worst[0]:.2f}× ({worst[1]})",
+                 None if worst is None else worst[0] <= HOST_PEAK_LIMIT))
+    lg = (parts.get("largest") or {}).get("variants", {}).get(OFFLOAD)
+    names = (parts.get("largest") or {}).get("shapes", [])
+    target = f"the largest GPT that steps with offload ≥ {LARGEST_AT_LEAST}, as predicted"
+    if lg is None or LARGEST_AT_LEAST not in names:
+        rows.append((target, "not measured" if lg is None else
+                     f"{lg['largest']} ({LARGEST_AT_LEAST} not searched)", None))
+    else:
+        best = lg["largest"]
+        met = (best is not None and names.index(best) >= names.index(LARGEST_AT_LEAST)
+               and lg.get("predicted") == best)
+        rows.append((target, f"{best or 'none'} (predicted {lg.get('predicted') or '-'})",
+                     met))
+    return rows
 
 
 def _size(nbytes) -> str:

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -336,6 +337,12 @@ def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     assert parts["overlap"]["offload_update"] is None
     assert "## The offloaded update alone" in md and "| update, donated |" in md
     assert "not_measured" not in result and "Not measured" not in md
+    # Offload's targets: the step measured (stage 3 + offload against GSPMD here), the delayed
+    # step not run, the 7b shape not searched
+    assert "## Offload's targets" in md
+    assert re.search(r"\| offload's step ≤ 2\.5× gspmd_fsdp's \| \d+\.\d\d× \| (yes|no) \|", md)
+    assert "| offload's delayed step ≤ 1.5× gspmd_fsdp's | not measured | - |" in md
+    assert "| test (7b not searched) | - |" in md
     # Stage 3 + offload: its device peak is the devices' program's, which holds no host state;
     # its host peak the host update's, in place (the state and the bf16 gradient).
     from test_measure import engine_offloads
@@ -360,6 +367,38 @@ def gb_size(nbytes):
     from zerojax.analysis.accounting import format_bytes
 
     return format_bytes(nbytes)
+
+
+def test_gpu_bench_says_which_of_offloads_targets_the_parts_met():
+    """Each target against the parts' figures, its limit included; a largest shape counts only
+    at 7b or above and as the planner predicted it; nothing measured, no section."""
+    gb = _load_gpu_bench()
+    ok = lambda ratio, **k: {"status": "ok", "ratio": ratio, **k}
+    bench = {"baseline": "optax_single", "variants": {
+        "optax_single": ok(1.0),
+        "stage3_offload": ok(2.5, host_peak_bytes=125, host_state_bytes=100),
+        "stage3_offload_dpu": ok(1.51, host_peak_bytes=117, host_state_bytes=100),
+        "stage3_twin": {"status": "n/a", "reason": "out of memory", "host_peak_bytes": 300,
+                        "host_state_bytes": 100}}}
+    shapes = ["1b", "gpt-4b", "7b", "gpt3-13b"]
+    offload = {"largest": "7b", "predicted": "7b"}
+    parts = {"bench": bench, "largest": {"shapes": shapes, "variants": {"stage3_offload": offload}}}
+    rows = gb.targets(parts)
+    assert rows[0][0] == "offload's step ≤ 2.5× optax_single's"
+    assert [(m, met) for _, m, met in rows] == [
+        ("2.50×", True), ("1.51×", False), ("1.25× (stage 3 + offload)", True),
+        ("7b (predicted 7b)", True)]
+    bench["variants"]["stage3_offload_dpu"]["host_peak_bytes"] = 126
+    assert gb.targets(parts)[2][1:] == ("1.26× (stage 3 + offload, delayed update)", False)
+    for largest, predicted in (("gpt-4b", "gpt-4b"), ("gpt3-13b", "7b"), (None, "7b")):
+        offload.update(largest=largest, predicted=predicted)
+        assert gb.targets(parts)[3][2] is False
+    del bench["variants"]["stage3_offload_dpu"]
+    assert gb.targets(parts)[1][1:] == ("not measured", None)
+    parts["largest"]["shapes"] = ["test"]
+    assert gb.targets(parts)[3][2] is None
+    assert all(met is None for _, _, met in gb.targets({}))
+    assert "## Offload's targets" not in gb.markdown({})
 
 
 def test_gpu_bench_largest_search_walks_from_the_estimate(tmp_path, monkeypatch):
