@@ -153,6 +153,7 @@ def probe(args) -> dict:
     import numpy as np
 
     import zerojax as zj
+    from zerojax.app.runlog import host_memory
 
     model = GPT(cfg)
     tokens = np.zeros((args.batch, cfg.seq_len + 1), np.int32)
@@ -160,20 +161,32 @@ def probe(args) -> dict:
     name = optax_name(args.devices) if variant == "optax" else variant
     out = {"shape": shape, "variant": name, "num_params": model.num_params(),
            "device_kind": jax.devices()[0].device_kind}
+    # The process's resident memory (now, and its peak so far) as each phase ends: where the
+    # host side of offload (pinned buffers included) grows past its state.
+    phases = out["host_rss_phases"] = []
+
+    def mark(what):
+        rss = host_memory()
+        phases.append([what, rss.get("host_rss_bytes"), rss.get("host_rss_peak_bytes")])
+
+    def made():
+        v = makers[name]()
+        mark("state made")
+        return v
+
     try:
         makers = bench.variant_makers(model, zj.make_mesh(data=args.devices), bargs, host_batch)
-        v = bench._prepare(makers[name])
+        v = bench._prepare(made)
+        mark("compiled")
         out.update(v.memory)
-        for _ in range(2):
+        for i in range(2):
             v.state, m = v.step(v.state, v.batch)
-        jax.block_until_ready((v.state, m))
+            jax.block_until_ready((v.state, m))
+            mark(f"step {i + 1}")
         out.update(ok=True, loss=float(np.mean(m["loss"])))
     except Exception as e:  # noqa: BLE001 -- out of memory, mostly: the answer, not a failure
         out.update(ok=False, reason=bench._reason(e))
-    # The process's peak resident memory: the host side of offload (pinned buffers included),
-    # to hold against the host state (target: <= 1.25x).
-    from zerojax.app.runlog import host_memory
-
+    # to hold against the host state (target: <= 1.25x)
     out["host_rss_peak_bytes"] = host_memory()["host_rss_peak_bytes"]
     return out
 
@@ -348,6 +361,13 @@ def markdown(parts: dict) -> str:
                          f"{_peak(best) if best else '-'} | {rss} | "
                          f"{r['first_failing'] or '-'} | {fail['reason'] if fail else '-'} |")
         lines.append("")
+        for variant, r in lg["variants"].items():
+            best = r["probes"].get(r["largest"]) if r["largest"] else None
+            if best and best.get("host_rss_phases"):
+                lines += [f"{LABELS.get(variant, variant)}, {r['largest']}: the probe's resident "
+                          f"host memory (its peak so far) as each phase ended: " + ", ".join(
+                              f"{what} {_size(rss)} ({_size(peak)})"
+                              for what, rss, peak in best["host_rss_phases"]), ""]
     rows = targets(parts)
     if any(met is not None for _, _, met in rows):
         lines += ["## Offload's targets", "", "| target | measured | met |", "|---|---|---|"]

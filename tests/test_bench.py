@@ -330,6 +330,14 @@ def test_gpu_bench_script_runs_every_part_on_cpu(tmp_path):
     assert probe["peak_bytes"] > 0 and 3.0 < probe["loss"] < 5.0
     off = parts["largest"]["variants"]["stage3_offload"]
     assert off["largest"] == "test" and off["probes"]["test"]["host_rss_peak_bytes"] > 0
+    # the probe's resident memory as each phase ended, and its peak so far: never falling
+    phases = off["probes"]["test"]["host_rss_phases"]
+    assert [p[0] for p in phases] == ["state made", "compiled", "step 1", "step 2"]
+    assert all(0 < rss <= peak for _, rss, peak in phases)
+    assert [p[2] for p in phases] == sorted(p[2] for p in phases)
+    assert phases[-1][2] <= off["probes"]["test"]["host_rss_peak_bytes"]
+    assert "stage 3 + offload, test: the probe's resident host memory (its peak so far) as " \
+           "each phase ended: state made " in md
     assert parts["largest"]["pinned_limit"] == 7 << 30  # passed to the probes
     assert "XLA:GPU's pinned-host pool 7.52 GB" in md and "| host RSS peak |" in md
     # The offloaded update alone, in the bench part only (the overlap part does not repeat it)
