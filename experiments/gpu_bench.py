@@ -169,13 +169,15 @@ def probe(args) -> dict:
         rss = host_memory()
         phases.append([what, rss.get("host_rss_bytes"), rss.get("host_rss_peak_bytes")])
 
-    def made():
-        v = makers[name]()
-        mark("state made")
-        return v
-
     try:
-        makers = bench.variant_makers(model, zj.make_mesh(data=args.devices), bargs, host_batch)
+        make = bench.variant_makers(model, zj.make_mesh(data=args.devices), bargs,
+                                    host_batch)[name]
+
+        def made():
+            v = make()
+            mark("state made")
+            return v
+
         v = bench._prepare(made)
         mark("compiled")
         out.update(v.memory)

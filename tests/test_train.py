@@ -588,13 +588,13 @@ def full_disk_error():
 
 def test_schedule_note_gives_the_lr_before_and_after():
     saved = options.TrainConfig(steps=200)
-    note = train.schedule_note(saved, dataclasses.replace(saved, steps=400), 200)
+    note = resume.schedule_note(saved, dataclasses.replace(saved, steps=400), 200)
     # cosine from 3e-3 to 3e-4: ended at step 200; over 400 steps, step 201 is near the middle
     assert note == ("schedule re-planned for 400 steps (saved: 200): lr at step 201 3.00e-04 → "
                     "1.70e-03")
-    assert train.schedule_note(saved, saved, 200) is None
+    assert resume.schedule_note(saved, saved, 200) is None
     constant = options.TrainConfig(steps=200, schedule="constant")
-    assert train.schedule_note(constant, dataclasses.replace(constant, steps=400), 200) is None
+    assert resume.schedule_note(constant, dataclasses.replace(constant, steps=400), 200) is None
 
 
 def test_non_finite_loss_stops_and_is_never_saved(tmp_path, tokens64, capsys, monkeypatch):

@@ -1,6 +1,6 @@
 """What a resumed `zerojax train` run checks and reports: the metrics file (a cut-off last
-record, a missing file), the steps a `--resume-step` supersedes, the saved options, and which
-intact steps to pick when the latest is damaged."""
+record, a missing file), the steps a `--resume-step` supersedes, the saved options and the
+schedule re-planned from them, and which intact steps to pick when the latest is damaged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zerojax.app.files import replace_file
-from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps
+from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps, make_schedule
 
 
 def intact_hint(error: BaseException, flag_: str, verb: str = "resume") -> str:
@@ -91,3 +91,16 @@ def saved_config(train_config: dict[str, Any]) -> TrainConfig:
     """The TrainConfig a checkpoint's `train_config` record describes (unknown keys dropped)."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in train_config.items() if k in known})
+
+
+def schedule_note(old: TrainConfig, cfg: TrainConfig, start: int) -> str | None:
+    """When a resume changes the learning-rate schedule: its lr for the next step, before and
+    after (the schedule is re-planned over the new --steps, not kept)."""
+    keys = ["lr", "warmup", "schedule", "min_lr_ratio"]
+    if "cosine" in (old.schedule, cfg.schedule):
+        keys.append("steps")
+    if all(getattr(old, k) == getattr(cfg, k) for k in keys):
+        return None
+    was, now = float(make_schedule(old)(start)), float(make_schedule(cfg)(start))
+    return (f"schedule re-planned for {cfg.steps} steps (saved: {old.steps}): lr at step "
+            f"{start + 1} {was:.2e} → {now:.2e}")

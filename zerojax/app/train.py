@@ -30,7 +30,6 @@ from zerojax.app.options import (
     check_split,
     load_data,
     make_optimizer,
-    make_schedule,
     parse_args,
     resume_optimizer,
     validate,
@@ -41,6 +40,7 @@ from zerojax.app.resume import (
     intact_hint,
     missing_metrics_note,
     saved_config,
+    schedule_note,
     supersede_steps,
 )
 from zerojax.errors import CheckpointError, ZeroError
@@ -405,7 +405,7 @@ def check_host_memory(cfg: TrainConfig, model, optimizer, devices, process: int)
     free = psutil.virtual_memory().available
     if need <= free:
         return
-    mine = sum(d.process_index == process for d in devices)
+    mine = round(need / estimate.memory.host_peak)  # this process's devices
     raise UsageError(
         f"--offload {cfg.offload}: this process's {mine} device(s) need about {fmt(need)} of "
         f"host memory while the update runs ({fmt(estimate.memory.host_peak)} each: the "
@@ -442,19 +442,6 @@ def saving(ckpt: Path):
             raise RunStopped(f"{e.damage or e}; {last_good(ckpt)}") from None
         raise RunStopped(f"step {e.step}: {e.nonfinite} holds NaN or inf (the run has "
                          f"diverged), so it was not saved; {last_good(ckpt)}") from None
-
-
-def schedule_note(old: TrainConfig, cfg: TrainConfig, start: int) -> str | None:
-    """When a resume changes the learning-rate schedule: its lr for the next step, before and
-    after (the schedule is re-planned over the new --steps, not kept)."""
-    keys = ["lr", "warmup", "schedule", "min_lr_ratio"]
-    if "cosine" in (old.schedule, cfg.schedule):
-        keys.append("steps")
-    if all(getattr(old, k) == getattr(cfg, k) for k in keys):
-        return None
-    was, now = float(make_schedule(old)(start)), float(make_schedule(cfg)(start))
-    return (f"schedule re-planned for {cfg.steps} steps (saved: {old.steps}): lr at step "
-            f"{start + 1} {was:.2e} → {now:.2e}")
 
 
 def _agree(flag: bool, processes: int) -> bool:
