@@ -375,6 +375,11 @@ def test_offload_past_the_hosts_available_memory_is_refused_before_init(tmp_path
         f"each: the float32 master, the Adam moments, the gradient and compute shards"), err
     assert f"but {format_bytes(need - 1)} is available; train a smaller --model" in err
     assert not [p.name for p in (tmp_path / "run").rglob("*") if p.is_file()]  # nothing run
+    # A resume is checked before its restore reads the state into host memory.
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    monkeypatch.setattr(Engine, "restore", lambda *a: made.append(a))
+    assert train.main([*argv, "--resume"]) == 2 and not made
+    assert f"need about {format_bytes(need)} of host memory" in capsys.readouterr().err
 
     cfg = options.validate(options.parse_args(argv))
     optimizer, _ = options.make_optimizer(cfg)
@@ -393,6 +398,9 @@ def test_offload_past_the_hosts_available_memory_is_refused_before_init(tmp_path
     # (a param the axis does not split has its state on each model device).
     axis = dataclasses.replace(cfg, model_parallel=2)
     assert report.host_need(axis, model, optimizer, jax.devices()[:4], 0)[0] == need
+    # The delayed update: the pending bf16 gradient waits in host memory too, 2 bytes a param
+    delayed = dataclasses.replace(cfg, delayed_update=1)
+    assert report.host_need(delayed, model, optimizer, jax.devices()[:4], 0)[0] == 18 * psi
     assert report.host_need(dataclasses.replace(cfg, offload=None), model, optimizer,
                             jax.devices()[:4], 0) == (0.0, None)
 
