@@ -1,5 +1,6 @@
 """experiments/bench.py end to end on the tiny preset, its HLO accounting, and app/overlap.py."""
 
+import gc
 import importlib.util
 import json
 import os
@@ -119,6 +120,29 @@ def test_config_targets_and_table(run):
 def test_repeats_below_five_are_refused():
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeats", "4"])
+
+
+def test_timing_freezes_the_heap_it_starts_from_and_unfreezes_it_after():
+    """Each block's collection skips the programs built before the timing (frozen), and the
+    freeze ends with the timing: a `--sequential` run's collection must free the variant it
+    drops. Also when a block fails (an out-of-memory variant is reported, not fatal)."""
+    frozen = []
+
+    def step(state, batch):
+        frozen.append(gc.get_freeze_count())
+        return state + 1, {"loss": 0.0}
+
+    v = bench.Variant("v", step, 0, None, lower=None)
+    bench.time_interleaved({"v": v}, repeats=2, steps=2)
+    assert len(frozen) == 4 and min(frozen) > 0 and len(v.times) == 2
+    assert gc.get_freeze_count() == 0
+
+    def fails(state, batch):
+        raise MemoryError("out of memory")
+
+    with pytest.raises(MemoryError):
+        bench.time_interleaved({"v": bench.Variant("v", fails, 0, None, lower=None)}, 1, 1)
+    assert gc.get_freeze_count() == 0
 
 
 def test_fsdp_spec_shards_the_largest_divisible_dimension():
