@@ -1,10 +1,13 @@
 """float16 dynamic loss scaling: a non-finite step is skipped everywhere alike; bf16 runs."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
 import pytest
 from helpers import CLIP, adamw, engine_run, reference, sweep, tiny_gpt
+from test_state import BATCHES, Norm
 
 import zerojax as zj
 from zerojax.models import SeedMLP
@@ -21,8 +24,10 @@ def seed_engine(stage, **cfg):
 
 @pytest.mark.parametrize("stage", sweep([0, 1, 2, 3], quick=[1, 3]))
 def test_overflowing_steps_are_skipped_then_training_resumes(stage):
-    # The seed's gradients reach 11; times 2**17 that overflows fp16 (max 65504) until the
-    # scale has halved down to 2**12.
+    # The seed's float16 backward overflows (max 65504) at 2**17 until the scale has halved
+    # down to 2**13, on 2 devices as on one: each device differentiates its share of the
+    # global mean, so every row's gradient is the scale / 2 there too (dividing after the
+    # reduction, the 2 devices' rows had twice that, and skipped once more, down to 2**12).
     engine = seed_engine(stage, loss_scale_init=2.0**17, loss_scale_interval=1000)
     state = engine.init(jax.random.key(0), BATCH)
     before = jax.tree.map(np.asarray, (engine.params(state), state.opt_state))
@@ -35,8 +40,8 @@ def test_overflowing_steps_are_skipped_then_training_resumes(stage):
             break
         after = jax.tree.map(np.asarray, (engine.params(state), state.opt_state))
         jax.tree.map(np.testing.assert_array_equal, after, before)  # nothing moved
-    assert skipped == [1, 1, 1, 1, 1, 0]
-    assert scales == [2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**12, 2.0**12]
+    assert skipped == [1, 1, 1, 1, 0]
+    assert scales == [2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**13]
     # The first finite step is the seed's first Adam step.
     np.testing.assert_allclose(SeedMLP.flat(engine.params(state)), [2.1, -2.9, 1.1, 0.6],
                                rtol=5e-6)
@@ -62,3 +67,33 @@ def test_bfloat16_training_tracks_fp32_reference(stage):
     assert jax.tree.leaves(state.compute)[0].dtype == np.dtype("bfloat16")
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
     assert losses[-1] < losses[0] - 0.1
+
+
+@functools.cache
+def _norm_fp16_run(n: int):
+    """BatchNorm (global-batch statistics) in float16 from the scale 2**18 on data=n, stage 3:
+    (skipped, loss scales, losses) of 12 steps."""
+    mesh = zj.make_mesh(data=n, devices=jax.devices()[:n])
+    engine = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
+        stage=3, param_dtype="float16", loss_scale_init=2.0**18))
+    state = engine.init(jax.random.key(0), BATCHES[0])
+    out = ([], [], [])
+    for b in BATCHES * 2:
+        state, m = engine.step(state, b)
+        for o, k in zip(out, ("skipped", "loss_scale", "loss")):
+            o.append(float(m[k]))
+    return out
+
+
+@pytest.mark.parametrize("n", sweep([2, 4, 8], quick=[8]))
+def test_float16_skips_the_steps_one_device_skips_on_any_device_count(n):
+    """Each device differentiates its share of the global mean, so a row's gradient is the
+    same on any mesh and a float16 backward overflows where one device's does: the same steps
+    skipped, the same loss scales. (Dividing after the reduction, each doubling of the devices
+    doubled every row's gradient and skipped once more: 3, 4, 5 and 6 of these 12 steps on 1,
+    2, 4 and 8 devices.)"""
+    skipped, scales, losses = _norm_fp16_run(n)
+    one = _norm_fp16_run(1)
+    assert 0 < sum(skipped) < 6 and skipped == one[0]
+    assert scales == one[1]
+    np.testing.assert_allclose(losses, one[2], rtol=2e-4)  # 7e-5 measured at 8

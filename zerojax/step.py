@@ -234,7 +234,14 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
         args = [vary(c.astype(plan.rdtype), plan.axes) for c in comp]
     handles = make_handles(layout)
     scale = state.loss_scale.scale
-    denom = plan.replica * plan.data * k * scale
+    # Each device differentiates its share of the global mean: its micro-batch's mean loss
+    # divided by the number of shares (replica × data × micro-batches) before the backward, not
+    # after the reduction. So every row's gradient is scale / global batch on any mesh, and a
+    # float16 backward overflows as it does on one device, however many devices split the batch
+    # (divided after, a device's values grew with its share: one more skip per doubling of N).
+    # The division by a power of two is exact: such runs' numbers are bitwise as before.
+    seed = scale / (plan.replica * plan.data * k)
+    denom = scale
     if to_host:
         # What is differentiated: per leaf a zero in host memory (its gradient arrives there,
         # unit by unit; a kept leaf's stays in device memory) and a zero f32 per unit (its
@@ -259,7 +266,7 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
                            wire=plan.wire, host=host)
         loss, aux = split_loss(plan.model.loss(handles, mb, units))
         loss = loss.astype(jnp.float32)
-        return loss * scale, (loss, aux, units.state)
+        return loss * seed, (loss, aux, units.state)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
