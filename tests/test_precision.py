@@ -69,20 +69,25 @@ def test_bfloat16_training_tracks_fp32_reference(stage):
     assert losses[-1] < losses[0] - 0.1
 
 
-@functools.cache
-def _norm_fp16_run(n: int):
-    """BatchNorm (global-batch statistics) in float16 from the scale 2**18 on data=n, stage 3:
-    (skipped, loss scales, losses) of 12 steps."""
-    mesh = zj.make_mesh(data=n, devices=jax.devices()[:n])
-    engine = zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
-        stage=3, param_dtype="float16", loss_scale_init=2.0**18))
-    state = engine.init(jax.random.key(0), BATCHES[0])
-    out = ([], [], [])
-    for b in BATCHES * 2:
+def fp16_run(engine, batches):
+    """A float16 engine's run over `batches` from init: (skipped, loss scales, losses, grad
+    norms) of each step."""
+    state = engine.init(jax.random.key(0), batches[0])
+    out = ([], [], [], [])
+    for b in batches:
         state, m = engine.step(state, b)
-        for o, k in zip(out, ("skipped", "loss_scale", "loss")):
+        for o, k in zip(out, ("skipped", "loss_scale", "loss", "grad_norm")):
             o.append(float(m[k]))
     return out
+
+
+@functools.cache
+def _norm_fp16_run(n: int):
+    """BatchNorm (global-batch statistics) in float16 from the scale 2**18 on data=n, stage 3,
+    12 steps."""
+    mesh = zj.make_mesh(data=n, devices=jax.devices()[:n])
+    return fp16_run(zj.Engine(Norm(zj.batch_axes(mesh)), optax.adam(1e-2), mesh, zj.ZeroConfig(
+        stage=3, param_dtype="float16", loss_scale_init=2.0**18)), BATCHES * 2)
 
 
 @pytest.mark.parametrize("n", sweep([2, 4, 8], quick=[8]))
@@ -92,8 +97,40 @@ def test_float16_skips_the_steps_one_device_skips_on_any_device_count(n):
     skipped, the same loss scales. (Dividing after the reduction, each doubling of the devices
     doubled every row's gradient and skipped once more: 3, 4, 5 and 6 of these 12 steps on 1,
     2, 4 and 8 devices.)"""
-    skipped, scales, losses = _norm_fp16_run(n)
+    skipped, scales, losses, _ = _norm_fp16_run(n)
     one = _norm_fp16_run(1)
     assert 0 < sum(skipped) < 6 and skipped == one[0]
     assert scales == one[1]
     np.testing.assert_allclose(losses, one[2], rtol=2e-4)  # 7e-5 measured at 8
+
+
+def _seed_fp16_run(mesh, **cfg):
+    """The seed MLP on its batch tiled to 8 rows, float16 from the scale 2**17, 6 steps."""
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), BATCH)
+    return fp16_run(zj.Engine(SeedMLP(), optax.adam(0.1, eps=1e-8), mesh, zj.ZeroConfig(
+        param_dtype="float16", loss_scale_init=2.0**17, loss_scale_interval=1000, **cfg)),
+        [batch] * 6)
+
+
+@pytest.mark.parametrize("case", sweep(["offload, delayed, accumulation", "per-unit arrival"],
+                                       quick=["per-unit arrival"]))
+def test_float16_skips_as_one_device_where_offload_and_accumulation_meet(case):
+    """The pre-division meets replica × data and micro-batches (stage 1, offload, the delayed
+    update, grad_accum 2 on replica 2 × data 2) and the gradient's per-unit arrival in host
+    memory, whose sums of squares divide by the same scale (stage 3 on 4 devices, offload):
+    one device's skips, scales and, on the steps taken, loss and global norm (one device with
+    the same delay: a step after a taken one runs on the params before its update)."""
+    one_device = zj.make_mesh(data=1, devices=jax.devices()[:1])
+    if case == "per-unit arrival":
+        one = _seed_fp16_run(one_device, stage=0)
+        run = _seed_fp16_run(zj.make_mesh(data=4, devices=jax.devices()[:4]), stage=3,
+                             offload="optimizer")
+    else:
+        delayed = dict(offload="optimizer", delayed_update=1)
+        one = _seed_fp16_run(one_device, stage=1, **delayed)
+        run = _seed_fp16_run(zj.make_mesh(replica=2, data=2, devices=jax.devices()[:4]),
+                             stage=1, grad_accum=2, **delayed)
+    assert 0 < sum(one[0]) < 6 and run[0] == one[0] and run[1] == one[1]
+    taken = [i for i, s in enumerate(one[0]) if not s]
+    np.testing.assert_allclose([run[2][i] for i in taken], [one[2][i] for i in taken], rtol=1e-3)
+    np.testing.assert_allclose([run[3][i] for i in taken], [one[3][i] for i in taken], rtol=1e-3)
