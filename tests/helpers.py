@@ -104,6 +104,19 @@ def assert_tree_close(a, b, rtol, atol=0.0, leaf_rtol=None):
     assert total <= rtol, f"relative L2 error of all params {total:.3g} > {rtol}"
 
 
+def moved_error(params, ref, start) -> float:
+    """|params - ref| relative to how far the reference moved from `start` (L2, all leaves):
+    unlike an absolute bound, it does not hide a wrong update when updates are small, and
+    unlike a per-element one it does not fail on Adam's zero crossings (above)."""
+    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64))))
+                       for x in jax.tree.leaves(t))
+    diff = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                        params, ref)
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                         ref, start)
+    return float(np.sqrt(sq(diff) / sq(moved)))
+
+
 def tiny_gpt():
     return GPT.from_preset("test")
 

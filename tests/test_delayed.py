@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import CLIP, adamw, assert_tree_close, engine_run, fused_adamw, gpt_batch
+from helpers import CLIP, adamw, assert_tree_close, engine_run, fused_adamw, gpt_batch, moved_error
 from test_model_axis import gpt
 from test_precision import BATCH as SEED_BATCH
 from test_state import BATCHES, Norm, assert_bitwise
@@ -49,17 +49,6 @@ def delayed_reference(model, tx, batches, k, rng=0, **units):
         losses.append(float(loss))
         norms.append(float(norm))
     return np.array(losses), np.array(norms), params, ms
-
-
-def moved_error(params, ref, start) -> float:
-    """|params - ref| relative to how far the reference moved from `start` (L2, all leaves)."""
-    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64))))
-                       for x in jax.tree.leaves(t))
-    diff = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                        params, ref)
-    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                         ref, start)
-    return float(np.sqrt(sq(diff) / sq(moved)))
 
 
 def check_delayed(model, optimizer, batches, mesh, k=2, clip=CLIP, ref_model=None, **cfg):

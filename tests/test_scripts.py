@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import adamw, assert_tree_close, gpt_batch, sweep, tiny_gpt
+from helpers import adamw, gpt_batch, moved_error, sweep, tiny_gpt
 
 import zerojax as zj
 from zerojax.units import PlainUnits
@@ -51,7 +51,8 @@ def test_steps_compile_into_one_jitted_loop_on_a_model_axis():
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(np.asarray(metrics["loss"]), losses, rtol=1e-6)
     assert int(looped.step) == 3
-    assert_tree_close(e.params(looped), e.params(eager), rtol=1e-5, atol=1e-6)
+    # Two programs, two reduction orders: 2e-6 of the movement here, a wrong step ~1.
+    assert moved_error(e.params(looped), e.params(eager), e.params(_initial(2))) <= 1e-4
     # Under jit the check still refuses a state of another shape by name.
     cut = eager._replace(step=eager.step[None])
     with pytest.raises(zj.StateError, match=r"state.step is int32\(1,\), this engine's "
