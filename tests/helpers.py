@@ -108,13 +108,11 @@ def moved_error(params, ref, start) -> float:
     """|params - ref| relative to how far the reference moved from `start` (L2, all leaves):
     unlike an absolute bound, it does not hide a wrong update when updates are small, and
     unlike a per-element one it does not fail on Adam's zero crossings (above)."""
-    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64))))
-                       for x in jax.tree.leaves(t))
-    diff = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                        params, ref)
-    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                         ref, start)
-    return float(np.sqrt(sq(diff) / sq(moved)))
+    def dist(a, b):
+        return np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2)
+                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+    return float(dist(params, ref) / dist(ref, start))
 
 
 def tiny_gpt():

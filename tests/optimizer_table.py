@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import moved_error
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
@@ -203,9 +204,7 @@ def assert_matches(bundle, losses, params, split=False):
     ref_losses, ref, start = reference(bundle, split)
     if losses is not None:
         np.testing.assert_allclose(losses, ref_losses[:len(losses)], rtol=LOSS_RTOL)
-    dist = lambda a, b: np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y)) ** 2)
-                                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
-    off = {n: dist(params[n], ref[n]) / dist(ref[n], start[n]) for n in BUNDLES[bundle]}
+    off = {n: moved_error(params[n], ref[n], start[n]) for n in BUNDLES[bundle]}
     assert max(off.values()) <= MOVE_RTOL, {n: f"{v:.2g}" for n, v in off.items()}
 
 

@@ -22,6 +22,7 @@ from helpers import (
     engine_run,
     fused_adamw,
     gpt_batch,
+    moved_error,
     sweep,
     tiny_gpt,
 )
@@ -727,12 +728,7 @@ def test_quantized_collectives_with_the_per_unit_transfer(stage, wire, inside):
     # quantized block rounds the other way moves by a step of its own (measured with qgZ: 4
     # of 2048 weights by 1.5e-5 after 6 steps), which an element-wise tolerance cannot tell
     # from a wrong update.
-    start = jax.tree.leaves(model.init(jax.random.key(0)))
-    diff = sum(np.sum((np.asarray(a, np.float64) - b) ** 2)
-               for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)))
-    moved = sum(np.sum((np.asarray(b, np.float64) - c) ** 2)
-                for b, c in zip(jax.tree.leaves(p0), start))
-    assert np.sqrt(diff / moved) < 1e-3
+    assert moved_error(p1, p0, model.init(jax.random.key(0))) < 1e-3
     assert_placement(runs.engines[-1], state)
 
 
