@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import json
 import shutil
 import sys
 import tempfile
@@ -34,13 +35,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # offload_overlap beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zerojax
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from offload_overlap import write_json  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.analysis.measurement import state_bytes  # noqa: E402
@@ -117,6 +116,13 @@ class Peak:
         self._thread.join()
         self.end = resident() - self.base
         self.host = max(self.host, self.end)
+
+
+def write_json(path: Path | None, res: dict) -> None:
+    """`res` as JSON at `path` (its folder made), when a path is given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
 
 
 def main(argv=None) -> dict:

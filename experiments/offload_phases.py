@@ -26,6 +26,7 @@ wrong move or a wrongly aliased buffer between the backends shows as a number.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -35,7 +36,6 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # offload_overlap beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zerojax
 
 import jax  # noqa: E402
@@ -43,7 +43,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from offload_overlap import write_json  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.mesh import put_batch  # noqa: E402
@@ -349,6 +348,13 @@ def moves(gb: float, repeats: int) -> dict:
         s, _ = timed(lambda b=by_shard, y=y: across(y, [up], twins(host, mesh), b), repeats)
         res[f"to the devices, {name}"] = s
     return {"bytes": 4 * n, "seconds": res}
+
+
+def write_json(path: Path | None, res: dict) -> None:
+    """`res` as JSON at `path` (its folder made), when a path is given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
 
 
 def main(argv=None) -> dict:

@@ -663,24 +663,6 @@ def test_offload_checkpoint_memory_reports_each_phase(tmp_path):
     assert "restore, fresh process: host peak" in proc.stdout
 
 
-@pytest.mark.slow
-def test_checkpoint_write_memory_compares_the_data_file_sizes(tmp_path):
-    """experiments/checkpoint_write_memory.py saves each tree with orbax's data-file size and
-    zerojax's, each in its own process, and reports what each took beside the tree."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import checkpoint_write_memory as cwm
-
-    from zerojax.checkpoint.store import DATA_FILE_BYTES
-
-    rows = cwm.main(["--copies", "1", "2", "--width", "8", "--out", str(tmp_path / "r.json")])
-    assert [r["data_file_bytes"] for r in rows] == [cwm.ORBAX_DEFAULT, DATA_FILE_BYTES] * 2
-    per_copy = 4 * (2 * 8 * 8 * 32 + 8 * 8 * 24 + 8 * 8 * 8 + 2 * 256 * 8)  # float32
-    assert [r["tree_bytes"] for r in rows] == [per_copy] * 2 + [2 * per_copy] * 2
-    assert all(r["extra_bytes"] >= 0 and r["seconds"] > 0 and r["data_files"] >= 1
-               for r in rows)
-    assert json.loads((tmp_path / "r.json").read_text()) == rows
-
-
 def test_gpu_offload_check_commands_parse(tmp_path):
     """scripts/gpu_offload_check.sh's commands (printed by --dry-run, nothing run) are what
     each experiment's own parser accepts, in priority order, with the preset passed on."""

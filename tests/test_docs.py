@@ -7,9 +7,11 @@ import pathlib
 import re
 import shutil
 import subprocess
+import unicodedata
 
 ROOT = pathlib.Path(__file__).parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "experiments" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = sorted((ROOT / "scripts").iterdir())
 
 # `python`, `python3` or `pip` as the command word (not the end of `.venv/bin/python`) running
@@ -129,3 +131,107 @@ def test_gpu_scripts_use_the_venv(tmp_path):
     assert pathlib.Path(python).resolve() == proj / ".venv" / "bin" / "python"
     assert args.startswith("-m zerojax train --model gpt2-small")
     assert args.strip().endswith("--out runs/gpt2-run --resume")
+
+
+# A Markdown link or image whose target is in the repository: `[text](path#anchor)`.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+# A section quoted by name in prose: docs/performance.md, "Offload on the H200"
+QUOTED = re.compile(r"([\w./-]+\.md)[,:]? \"([^\"]+)\"")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text without Markdown's marks, lower case, every
+    character but letters, digits, `_`, `-` and spaces dropped, spaces made hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    keep = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LMN")
+    return keep.replace(" ", "-")
+
+
+def prose(path: pathlib.Path, spans: bool = False) -> list[str]:
+    """The lines of a Markdown file, those of code blocks empty and inline code spans blanked
+    (kept with `spans`: a heading's)."""
+    out, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        out.append("" if fenced or line.lstrip().startswith("```") else
+                   line if spans else re.sub(r"`[^`]*`", "``", line))
+    return out
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """The anchors of a Markdown file's headings (a repeated one numbered as GitHub does)."""
+    seen: dict[str, int] = {}
+    for line in prose(path, spans=True):
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            s = slug(m.group(1))
+            seen[s] = seen.get(s, -1) + 1
+    return {f"{s}-{i}" if i else s for s, n in seen.items() for i in range(n + 1)}
+
+
+def leads(path: pathlib.Path) -> list[str]:
+    """What a section can be quoted as: each heading's text and each bold paragraph lead."""
+    lines = prose(path, spans=True)
+    headings = [re.match(r"#{1,6} (.*)", line) for line in lines]
+    return ([re.sub(r"[`*]", "", m.group(1)) for m in headings if m]
+            + [m.group(1).replace("`", "") for line in lines
+               for m in re.finditer(r"\*\*(.+?)\*\*", line)])
+
+
+def broken_links(paths, root=ROOT) -> list[str]:
+    """Each relative link of `paths` whose file, or whose anchor in it, does not exist, and
+    each section quoted by name ("docs/x.md, "Title"") that no heading or bold lead of that
+    doc (or, for a doc with a `-log.md` beside it, of its log) begins with."""
+    bad = []
+    for p in paths:
+        lines = prose(p)
+        for n, line in enumerate(lines, 1):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):
+                    continue  # https:, mailto:
+                file, _, anchor = target.partition("#")
+                dest = (p.parent / file).resolve() if file else p
+                if not dest.exists():
+                    bad.append(f"{p.relative_to(root)}:{n}: {target}: no such file")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                    bad.append(f"{p.relative_to(root)}:{n}: {target}: no such heading")
+        text = " ".join(lines)
+        for doc, title in QUOTED.findall(text):
+            dest = next((d for d in (p.parent / doc, root / doc) if d.exists()), None)
+            if dest is None:
+                bad.append(f"{p.relative_to(root)}: {doc}: no such file")
+                continue
+            log = dest.with_name(dest.stem + "-log.md")
+            names = leads(dest) + (leads(log) if log.exists() else [])
+            if not any(name.startswith(title) for name in names):
+                bad.append(f'{p.relative_to(root)}: {doc}, "{title}": no such section')
+    return bad
+
+
+def test_every_relative_link_and_anchor_resolves():
+    bad = broken_links(DOCS)
+    assert not bad, "links to nothing:\n" + "\n".join(bad)
+
+
+def test_the_link_check_finds_what_does_not_resolve(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A page\n\n## The `fused` host update: in place\n\n**A bold lead.** text\n\n"
+        "```\n## not a heading\n```\n")
+    (tmp_path / "docs" / "a-log.md").write_text("# Log\n\n### An old section\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "```\n[x](docs/none.md)\n```\n"
+        "[a](docs/a.md) [b](docs/a.md#the-fused-host-update-in-place) [c](docs/b.md)\n"
+        "[d](docs/a.md#not-a-heading) [e](https://example.com/x#y) `[f](docs/none.md)`\n"
+        "[g](#here) ![h](docs/none.png)\n\n## Here\n\n"
+        'See docs/a.md, "The fused host update" and docs/a.md: "A bold lead", docs/a.md,\n'
+        '"An old section", docs/a.md, "Missing" and docs/c.md, "Any".\n')
+    assert broken_links([readme], root=tmp_path) == [
+        "README.md:4: docs/b.md: no such file",
+        "README.md:5: docs/a.md#not-a-heading: no such heading",
+        "README.md:6: docs/none.png: no such file",
+        'README.md: docs/a.md, "Missing": no such section',
+        "README.md: docs/c.md: no such file",
+    ]

@@ -4,9 +4,7 @@ update a program of the host's CPU devices, the same numbers as without offload.
 import functools
 import math
 import re
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -563,17 +561,6 @@ def test_the_host_update_runs_in_place(tmp_path, monkeypatch, donate, delayed):
         assert temp <= 0.02 * state, temp
     else:
         assert not alias and all(len(in_place.get(i, [])) < 2 for i in big)
-
-
-def test_a_units_gradient_can_go_to_the_host_inside_the_backward():
-    """experiments/grads_to_host.py: host-memory stand-ins moved to the device per unit send
-    each unit's reduced shard to the host right after its reduce-scatter, inside the backward
-    loop, with plain jax's numbers (the jaxpr's view; the step's form of it, `units.arrive`,
-    is checked in the program XLA:GPU receives by the test above)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import grads_to_host
-
-    grads_to_host.main()
 
 
 class Stack:
