@@ -81,6 +81,7 @@ class DelayedUpdate:
     `lower_update` and `_cached`."""
 
     def pending_specs(self, master_specs) -> Pending:
+        """`Engine.state_specs`'s `pending`."""
         return pending_specs(master_specs)
 
     def empty_pending(self, master) -> Pending:
@@ -89,9 +90,11 @@ class DelayedUpdate:
         return empty_pending(master, self.engine.plan.reduced_dtype)
 
     def lagging(self, compute):
+        """A checkpoint's "delayed"/"params" (`lagging`)."""
         return lagging(self.engine.plan, compute)
 
     def with_lagging(self, state, params):
+        """`state` whose next step runs on the logical `params` (`with_lagging`)."""
         return with_lagging(self.engine.plan, state, params)
 
     def _store(self, grads, scalars) -> Pending:
@@ -106,7 +109,7 @@ class DelayedUpdate:
         return Pending(jax.tree.unflatten(jax.tree.structure(grads), leaves), denom, norm, ok,
                        value)
 
-    # ------------------------------------------------------------ running them
+    # ------------------------------------------------------------ the pending update, applied
 
     def applied(self, state):
         """(master, optimizer state, compute-dtype shards) with the pending update applied
