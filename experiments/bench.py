@@ -207,7 +207,7 @@ def named_tx(args) -> optax.GradientTransformation:
         return optax.lamb(LR)
     if args.optimizer == "adafactor":
         return optax.adafactor(LR)
-    from zerojax.update.presets import build
+    from zerojax.app.presets import build
     return build("muon", LR, weight_decay=0.0)
 
 

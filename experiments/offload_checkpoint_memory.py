@@ -8,7 +8,7 @@ save (the first compiles its programs; the second is what every later save costs
 after the state is dropped (a resume) and the first step after it. A save makes each logical
 leaf where its state leaf lives, on one device a view of the state's own buffer; a restore
 reads the params and moments onto the host mesh and builds the master and moments there in
-parts, each freeing what it read (checkpoint/store.py and load.py, update/offload.py `OnMeshes`).
+parts, each freeing what it read (checkpoint/store.py and load.py, offload/meshes.py `OnMeshes`).
 
 `--restore-only DIR` is a resume: a fresh process that builds the engine and restores DIR (a
 step written by a run of this script with `--dir`, its `b`), nothing before it. It reports the

@@ -1,4 +1,4 @@
-"""Where an offloaded step's time goes: the engine's own programs and moves (update/host.py),
+"""Where an offloaded step's time goes: the engine's own programs and moves (offload/host.py),
 each timed alone and blocked, on a GPT preset, beside the whole step without and with the
 delayed update and plain moves of `--move-gb` between the two backends.
 
@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.mesh import put_batch  # noqa: E402
 from zerojax.models.gpt import GPT, PRESETS  # noqa: E402
-from zerojax.update.offload import across, host_mesh, twins  # noqa: E402
+from zerojax.offload.meshes import across, host_mesh, twins  # noqa: E402
 
 SEND_RUNS = 4  # the "in parts" form of `sent`: the fused update's parts whose shards it sends
 
@@ -120,8 +120,8 @@ def phases(eng, state, batch, repeats: int) -> tuple[dict, object]:
 def sent(eng, state, batch, repeats: int) -> tuple[dict, object]:
     """The step's host update as a step runs it (`_update(..., send=True)`), in two forms,
     interleaved: "in parts", on a GPU's host a fused update in about SEND_RUNS parts, each
-    part's shards put on the devices as it ends (`parts.Sending`), timed to the last one
-    there; "in one part", `runs` 1 (the engine's default, `parts.RUNS`: the upload after the
+    part's shards put on the devices as it ends (`side_by_side.Sending`), timed to the last one
+    there; "in one part", `runs` 1 (the engine's default, `side_by_side.RUNS`: the upload after the
     whole update). Against `phases`' update and move up, one after the other. Each repeat
     updates a fresh gradient (its program not timed)."""
     h = eng._offload

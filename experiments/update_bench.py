@@ -2,7 +2,7 @@
 copy measured in the same process (ZeRO-Offload's update should run at the host's memory
 bandwidth).
 
-The update is the engine's own (its host program, `update/host.py`: the step's
+The update is the engine's own (its host program, `offload/host.py`: the step's
 `ShardedUpdate` run by the CPU backend over the host mesh), over the state of a one-leaf model
 of `params` elements, the master and optimizer state donated, as the step donates them. Bytes
 per step: the gradient shard, master and optimizer state read, master and optimizer state and
@@ -15,14 +15,14 @@ while K partitions run at once. What a host mesh of several CPU devices per acce
 gain, measured before it is built (docs/performance.md).
 
 The same AdamW as `zerojax.adamw` runs as the engine's fused host update (one pass per leaf,
-each byte read and written once, in place, on every core: zerojax/update/fused.py), on a
+each byte read and written once, in place, on every core: zerojax/offload/fused.py), on a
 state of its own, its numbers checked against the XLA program's update of the same state.
 
 Each form's time is also given until its call returned: XLA:CPU runs a program its cost
 analysis deems cheap (under 1,000 flops; a custom call counts none, so the fused pass's
 program is one) inline, on the calling thread, so that call returns only when the update is
 done, where the other forms' calls return once dispatched. The delayed step therefore calls
-its update from a thread of its own (`update/host.py`).
+its update from a thread of its own (`offload/host.py`).
 
     .venv/bin/python experiments/update_bench.py --params 50e6
     .venv/bin/python experiments/update_bench.py --params 302e6 --host-devices 1 2 4 8

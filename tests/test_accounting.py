@@ -8,15 +8,15 @@ import pytest
 
 from zerojax.analysis.accounting import (
     CommEstimate,
-    EstimateError,
     MemoryEstimate,
     comm_estimate,
     estimate,
-    estimate_table,
     format_bytes,
     shares_master,
     state_estimate,
 )
+from zerojax.analysis.estimate_args import EstimateError
+from zerojax.analysis.estimate_table import estimate_table
 from zerojax.app.report import estimate_for, memory_rows
 
 GB = 1e9

@@ -584,7 +584,7 @@ def test_offload_phases_times_the_engines_own_step(tmp_path):
     sys.path.insert(0, str(ROOT / "experiments"))
     import offload_phases
 
-    from zerojax.update.parts import RUNS
+    from zerojax.offload.side_by_side import RUNS
 
     eng, state, batch = offload_phases.engine("test", 2, None)
     _, kinds, state = offload_phases.phases(eng, state, batch, 2)

@@ -28,9 +28,9 @@ from test_twin_flow import run as run_saving
 
 import zerojax as zj
 from zerojax.models import SeedMLP
+from zerojax.offload import fused as fused_mod
+from zerojax.offload.fused import FusedAdamW, spec_of
 from zerojax.update import StepUpdate, step_update
-from zerojax.update import fused as fused_mod
-from zerojax.update.fused import FusedAdamW, spec_of
 
 
 def _ulps(a, b):
@@ -186,7 +186,7 @@ def test_fused_fp16_skipped_steps_clip_accumulation_and_hybrid_mesh(stage):
 def test_fused_delayed_update_with_a_schedule_and_a_mask():
     """delayed_update=2 at stage 2 on 4 devices with a warm-up schedule and the GPT's decay
     mask (the CLI's adamw): the fused run gives the run with optax.adamw's program."""
-    from zerojax.update.presets import by_leaf, gpt_decay
+    from zerojax.app.presets import by_leaf, gpt_decay
 
     schedule = optax.linear_schedule(0.0, 3e-3, 4)
     batches = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(8)]
@@ -268,13 +268,13 @@ def test_the_mask_is_read_as_optax_reads_it():
 
 
 def test_sending_runs_in_turn_and_sends_each_ones_results_as_it_ends():
-    """`parts.Sending`: each call's results go to `send` on a thread of its own while the next
-    call runs. A handshake proves it: call k + 1 starts only once send k has started, and send
+    """`side_by_side.Sending`: each call's results go to `send` on a thread of its own while the
+    next call runs. A handshake proves it: call k + 1 starts only once send k has started, and send
     k returns only once call k + 1 has started; in turn on one thread, it would wait for
     ever (10 s here). The results come back in order."""
     import threading
 
-    from zerojax.update.parts import Sending
+    from zerojax.offload.side_by_side import Sending
 
     n = 3
     ran, sending = [threading.Event() for _ in range(n)], [threading.Event() for _ in range(n)]
@@ -303,7 +303,7 @@ def test_sending_runs_in_turn_and_sends_each_ones_results_as_it_ends():
 def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_ends(
         monkeypatch, tmp_path, gpt, stage, fraction):
     """As on a GPU's host (CPU devices 4-7 stand in for its CPU beside a mesh on 0-3), with
-    `runs` 4 (`parts.RUNS`, 1 by default): a step's fused update runs in parts, the largest
+    `runs` 4 (`side_by_side.RUNS`, 1 by default): a step's fused update runs in parts, the largest
     first, and each part's compute shards are put on the devices' mesh on the sending thread
     as it ends; the step's own move up then moves none. With an ordinary step, delayed ones
     (the update on a thread of its own beside the devices' program), clipping and a save in
@@ -315,8 +315,9 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
 
     from jax.sharding import Mesh
 
-    import zerojax.update.host as host
-    from zerojax.update import moves, parts
+    import zerojax.offload.host as host
+    from zerojax.offload import moves, side_by_side
+    from zerojax.update import parts
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=4, devices=devices[:4])
@@ -332,7 +333,7 @@ def test_on_a_host_mesh_apart_the_fused_update_sends_its_runs_shards_as_each_end
     monkeypatch.setattr(host, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
         m.devices.shape), m.axis_names, axis_types=m.axis_types))
     eng = zj.Engine(model, zj.adamw(LR, weight_decay=WD, eps=1e-6), mesh, cfg)
-    assert eng._offload.runs == parts.RUNS == 1  # off by default: in one part, sent after
+    assert eng._offload.runs == side_by_side.RUNS == 1  # off by default: in one part, sent after
     eng._offload.runs = 4
     ups, runs_of, real, stepping, step = [], [], moves.across, [False], eng._offload.step
 

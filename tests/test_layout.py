@@ -1,4 +1,5 @@
-"""The folders are the architecture: the core imports no wing, and every wing is a package."""
+"""The folders are the architecture (DESIGN.md section 4): the core imports no wing, every wing
+is a package, `offload/` uses `update/` and never the reverse, and no import runs back up."""
 
 import ast
 import functools
@@ -7,7 +8,7 @@ from pathlib import Path
 import zerojax
 
 PKG = Path(zerojax.__file__).parent
-WINGS = ("adapters", "analysis", "app", "checkpoint", "models")
+WINGS = ("adapters", "analysis", "app", "checkpoint", "models", "offload")
 
 
 def _imports(path: Path, top_level: bool) -> set[str]:
@@ -26,18 +27,21 @@ def _wings(names: set[str]) -> list[str]:
     return sorted(m for m in names if any(m.startswith(f"zerojax.{w}") for w in WINGS))
 
 
-CORE_PACKAGES = ("collectives", "update")  # core modules in several files
+CORE_PACKAGES = ("collectives", "layout", "update")  # core modules in several files
 
 
 def test_core_imports_no_wing():
     core = [p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     core += [p for name in CORE_PACKAGES for p in (PKG / name).glob("*.py")]
     assert len(core) >= 9, sorted(p.name for p in core)
-    bad = {p.name: _wings(_imports(p, top_level=True)) for p in core}
+    where = lambda p: str(p.relative_to(PKG))
+    bad = {where(p): _wings(_imports(p, top_level=True)) for p in core}
     assert not {k: v for k, v in bad.items() if v}, bad
-    # The one way down: Engine.save / Engine.restore enter the checkpoint wing when called.
-    lazy = {p.name: _wings(_imports(p, top_level=False)) for p in core}
-    assert {k: v for k, v in lazy.items() if v} == {"engine.py": ["zerojax.checkpoint"]}, lazy
+    # The ways in: Engine.save / Engine.restore enter the checkpoint wing when called, and an
+    # engine with offload="optimizer" the offload wing when made (RUNS_UP says why).
+    lazy = {where(p): _wings(_imports(p, top_level=False)) for p in core}
+    assert {k: v for k, v in lazy.items() if v} == {"engine.py": [
+        "zerojax.checkpoint", "zerojax.offload.host", "zerojax.offload.host.HostOffload"]}, lazy
 
 
 def test_wings_are_packages_and_the_top_stays_small():
@@ -145,3 +149,75 @@ def test_find_cycle_finds_a_lazy_circle():
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1], cycle
     assert {"zerojax.mesh", "zerojax.step"} <= set(cycle), cycle
+
+
+# The layers, bottom up: an import goes to its own layer or one below, never up. The core (the
+# top-level modules and its packages) at the bottom; the offload wing on update/ and the rest
+# of the core (DESIGN.md section 4, section 7: every tier below the device), the reference
+# models and the Flax adapters beside it; the checkpoint wing, which saves a state wherever it
+# lives (offload's programs over two meshes); analysis; the command line; the package itself.
+LAYERS = {"core": 0, "offload": 1, "models": 1, "adapters": 1, "checkpoint": 2, "analysis": 3,
+          "app": 4, "package": 5}
+
+# The imports that run up, each kept for a reason (importer prefix, imported prefix).
+RUNS_UP = {
+    # The Engine is the public entry point of every wing (DESIGN.md section 4: it asks the
+    # wings): save and restore enter the checkpoint wing, an engine with offload the offload
+    # wing, lazily, when called, so that orbax is imported by those who checkpoint only.
+    ("zerojax.engine", "zerojax.checkpoint"): "Engine.save / Engine.restore",
+    ("zerojax.engine", "zerojax.offload.host"): "Engine(...) with offload='optimizer'",
+    # The measure, plan and estimate commands take the command line's named optimizers
+    # (`--optimizer`, app/presets.py) as train does: they are command-line modules that live
+    # in analysis/ beside what they run.
+    ("zerojax.analysis", "zerojax.app.presets"): "--optimizer NAME of measure, plan, estimate",
+}
+
+
+def layer(module: str) -> str:
+    """The layer of a module of the package: its wing, "core", or "package" (the package's
+    own __init__ and __main__, which gather the public names and start the command line)."""
+    parts = module.split(".")
+    if module in ("zerojax", "zerojax.__main__"):
+        return "package"
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else "core"
+
+
+def runs_up(graph) -> list[tuple[str, str]]:
+    """The edges of `graph` that run up a layer and are not in RUNS_UP."""
+    kept = lambda a, b: any((a == x or a.startswith(x + ".")) and (b == y or b.startswith(y + "."))
+                            for x, y in RUNS_UP)
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if LAYERS[layer(b)] > LAYERS[layer(a)] and not kept(a, b))
+
+
+def test_no_import_runs_back_up():
+    """Every module's imports, lazy ones included, go to its own layer or below, but for the
+    named exceptions (RUNS_UP), each of which is still there (else it goes from the list)."""
+    graph = import_graph()
+    assert runs_up(graph) == []
+    for x, y in RUNS_UP:
+        assert any(a.startswith(x) and b.startswith(y) for a, t in graph.items() for b in t), \
+            (x, y)
+
+
+def test_the_wings_use_the_core_and_offload_uses_update():
+    graph = import_graph()
+    for wing in WINGS:
+        used = {layer(b) for a, t in graph.items() if layer(a) == wing for b in t}
+        assert "core" in used, wing
+    offload = {b for a, t in graph.items() if layer(a) == "offload" for b in t}
+    assert {"zerojax.update", "zerojax.update.parts"} <= offload, sorted(offload)
+
+
+def test_update_never_imports_offload():
+    """The optimizer over the shards serves the offload wing and knows nothing of it: no
+    module of update/ imports offload/, lazily or not; and the check fails where one does."""
+    graph = import_graph()
+    into = lambda g: sorted((a, b) for a, t in g.items() if a.startswith("zerojax.update")
+                            for b in t if b.startswith("zerojax.offload"))
+    assert into(graph) == []
+    assert len([m for m in graph if m.startswith("zerojax.update")]) >= 10
+    bad = dict(graph)
+    bad["zerojax.update.parts"] = bad["zerojax.update.parts"] | {"zerojax.offload.side_by_side"}
+    assert into(bad) == [("zerojax.update.parts", "zerojax.offload.side_by_side")]
+    assert ("zerojax.update.parts", "zerojax.offload.side_by_side") in runs_up(bad)

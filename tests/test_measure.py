@@ -320,7 +320,7 @@ def test_engine_state_is_what_the_optimizers_init_allocates(name):
     from test_presets import expected_bytes
 
     from zerojax.analysis.measurement import optimizer_state_size
-    from zerojax.update.presets import build
+    from zerojax.app.presets import build
 
     model = GPT.from_preset("test")  # no leaf needs padding at N = 8
     e = zj.Engine(model, build(name, 1e-3, weight_decay=0.1), zj.make_mesh(data=8),

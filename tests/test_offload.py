@@ -143,7 +143,7 @@ def test_stage_3_computes_on_the_shards_that_came_up(monkeypatch, stage):
     """At stage 3 the compute params are the compute-dtype shards the host's update sent up,
     as they arrived: no refresh program runs (it would cast them to the dtype they have and
     copy the params), in a step, a delayed step or evaluate. Stages 1-2 gather them."""
-    from zerojax.update.host import HostOffload
+    from zerojax.offload.host import HostOffload
 
     calls = []
     refresh = HostOffload._refresh_fn
@@ -262,7 +262,7 @@ def test_a_host_mesh_of_other_devices_gives_the_same_run(monkeypatch, tmp_path):
     mesh's program, rounds otherwise in its last bits."""
     from jax.sharding import Mesh
 
-    import zerojax.update.host as host
+    import zerojax.offload.host as host
     from zerojax.app.report import state_bytes_split
 
     devices = jax.devices()
@@ -311,7 +311,7 @@ def test_the_host_build_runs_in_parts_with_a_parts_temporaries(monkeypatch):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import zerojax.update.host as host
+    import zerojax.offload.host as host
 
     assert host.runs([4, 4, 4, 4], 2) == [[0, 1], [2, 3]]
     assert host.runs([1, 9, 1, 1, 1], 4) == [[0], [1], [2, 3, 4]]
@@ -358,7 +358,7 @@ def test_a_host_mesh_apart_builds_model_state_and_stage_1s_gathered_params(monke
     steps are bitwise the run's whose host mesh is the mesh itself."""
     from jax.sharding import Mesh
 
-    import zerojax.update.host as host
+    import zerojax.offload.host as host
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=2, replica=2, devices=devices[:4])
@@ -386,7 +386,7 @@ def test_the_host_mesh_twins_each_accelerator_with_a_cpu_device():
 
     from jax.sharding import AxisType
 
-    from zerojax.update.offload import host_mesh
+    from zerojax.offload.meshes import host_mesh
 
     cpus = jax.devices("cpu")
 
@@ -420,7 +420,7 @@ def test_arrays_cross_to_the_twin_mesh_shard_by_shard(by_shard):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zerojax.update.offload import across, crosses, twins
+    from zerojax.offload.meshes import across, crosses, twins
 
     devices = jax.devices()
     a = Mesh(np.array(devices[:4]).reshape(2, 2), ("replica", "data"))
@@ -727,7 +727,7 @@ def test_init_from_reads_the_given_params_1_over_n_per_device(monkeypatch, offlo
     copy: the run's numbers are the apart-host run's (test above) and each stage's parity."""
     from jax.sharding import Mesh
 
-    import zerojax.update.host as host
+    import zerojax.offload.host as host
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=4, devices=devices[:4])

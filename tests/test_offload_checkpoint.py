@@ -17,7 +17,7 @@ from test_state import assert_bitwise
 
 import zerojax as zj
 from zerojax.checkpoint import load
-from zerojax.update.offload import OnMeshes
+from zerojax.offload.meshes import OnMeshes
 
 apart = test_twin_flow.apart  # the fixture: the host mesh on CPU devices 4-7
 
@@ -127,7 +127,7 @@ def test_one_devices_save_is_a_view_and_its_restore_frees_the_tree_as_it_goes(mo
     of the state's own buffers (nothing copied), and the next step still updates them in
     place; a restore in parts frees each read array once its part is made, and the restored
     master is the program's own, so the first step after it is in place too."""
-    from zerojax.update import host
+    from zerojax.offload import host
 
     mesh = zj.make_mesh(data=1, devices=jax.devices()[:1])
     eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload="optimizer"))

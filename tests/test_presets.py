@@ -14,8 +14,9 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
+from zerojax.analysis.measurement import state_size
+from zerojax.app import presets
 from zerojax.models import GPT
-from zerojax.update import presets
 
 
 @functools.cache
@@ -72,7 +73,7 @@ def expected_bytes(name: str, params) -> int:
 @pytest.mark.parametrize("name", presets.OPTIMIZERS)
 def test_state_size_is_what_each_optimizer_keeps(name, preset):
     params = abstract(preset)
-    size = presets.state_size(presets.build(name, 1e-3, weight_decay=0.1), params)
+    size = state_size(presets.build(name, 1e-3, weight_decay=0.1), params)
     psi = GPT.from_preset(preset).num_params()
     assert size.num_params == psi
     assert size.total == expected_bytes(name, params)
@@ -81,7 +82,7 @@ def test_state_size_is_what_each_optimizer_keeps(name, preset):
 
 
 def test_state_per_param_differs_from_adam_as_the_maths_says():
-    k = {name: presets.state_size(presets.build(name, 1e-3), abstract("nano")).per_param
+    k = {name: state_size(presets.build(name, 1e-3), abstract("nano")).per_param
          for name in presets.OPTIMIZERS}
     assert (k["adamw"], k["lamb"], k["lion"], k["sgd"]) == (8, 8, 4, 4)
     # nano (d 128, d_ff 512): every matrix and embedding factored, 0.07 bytes per param.
@@ -109,8 +110,8 @@ def test_a_custom_matrix_rule_changes_muons_state():
     params = abstract("test")
     head = lambda path, shape: (presets.gpt_matrix(path, shape)
                                 or (MuonDimensionNumbers(0, 1) if "head" in path else None))
-    default = presets.state_size(presets.build("muon", 1e-3), params).total
-    with_head = presets.state_size(presets.build("muon", 1e-3, matrices=head), params).total
+    default = state_size(presets.build("muon", 1e-3), params).total
+    with_head = state_size(presets.build("muon", 1e-3, matrices=head), params).total
     assert default - with_head == 4 * 32 * 64  # the head's nu moves out; its mu stays
 
 

@@ -11,7 +11,8 @@ import pytest
 from helpers import sweep
 
 import zerojax as zj
-from zerojax.analysis.accounting import EstimateError, comm_estimate, estimate, state_estimate
+from zerojax.analysis.accounting import comm_estimate, estimate, state_estimate
+from zerojax.analysis.estimate_args import EstimateError
 from zerojax.analysis.hlo import as_requested, axis_bytes, collective_sites, mesh_axis
 from zerojax.analysis.largest import activation_bytes
 from zerojax.analysis.tensor import (

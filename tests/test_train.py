@@ -26,12 +26,11 @@ import pytest
 from conftest import FAST_COMPILE
 from helpers import by_tag, sweep, tensorboard_scalars, wandb_history
 
-from zerojax.app import cli, options, peers, report, resume, sample, train
+from zerojax.app import cli, options, peers, presets, recipe, report, resume, sample, train
 from zerojax.app.data import embedded_corpus
 from zerojax.app.files import RunFileError
 from zerojax.app.records import MetricsLog
 from zerojax.models import GPT
-from zerojax.update import presets
 
 ROOT = Path(__file__).resolve().parents[1]
 # The "test" preset has a 64-token vocabulary: bytes folded into it keep the runs tiny.
@@ -370,7 +369,7 @@ def test_offload_past_the_hosts_available_memory_is_refused_before_init(tmp_path
     assert f"need about {format_bytes(need)} of host memory" in capsys.readouterr().err
 
     cfg = options.validate(options.parse_args(argv))
-    optimizer, _ = options.make_optimizer(cfg)
+    optimizer, _ = recipe.make_optimizer(cfg)
     for free, refused in ((need, False), (need - 1, True)):
         monkeypatch.setattr(psutil, "virtual_memory", lambda free=free: available(free))
         try:
@@ -440,12 +439,12 @@ def test_optimizer_option_lists_the_presets():
 
 def test_resume_takes_the_saved_optimizer_and_refuses_another():
     cfg = options.TrainConfig(resume=True, out="runs/x")
-    assert options.resume_optimizer(cfg, {"optimizer": "muon"}).optimizer == "muon"
-    assert options.resume_optimizer(cfg, {"steps": 5}).optimizer == "adamw"  # before the option
+    assert recipe.resume_optimizer(cfg, {"optimizer": "muon"}).optimizer == "muon"
+    assert recipe.resume_optimizer(cfg, {"steps": 5}).optimizer == "adamw"  # before the option
     same = dataclasses.replace(cfg, optimizer="muon")
-    assert options.resume_optimizer(same, {"optimizer": "muon"}) == same
+    assert recipe.resume_optimizer(same, {"optimizer": "muon"}) == same
     with pytest.raises(options.UsageError) as e:
-        options.resume_optimizer(same, {"steps": 5})
+        recipe.resume_optimizer(same, {"steps": 5})
     assert str(e.value) == ("--optimizer muon: the run in 'runs/x' was trained with --optimizer "
                             "adamw, whose state muon cannot continue; resume without --optimizer "
                             "(or with --optimizer adamw), or start a new run in another --out")
@@ -824,11 +823,11 @@ def test_a_script_with_the_run_log_writes_the_records_of_the_cli(reference, toke
 
     cfg = options.validate(options.TrainConfig(model="test", batch=8, data=str(tokens64),
                                                steps=20, eval_every=10, eval_batches=2))
-    train_tokens, eval_tokens, _ = options.load_data(cfg)
+    train_tokens, eval_tokens, _ = recipe.load_data(cfg)
     batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch, cfg.seed, 0, 1)
     evals = eval_batches(eval_tokens, cfg.seq_len, cfg.batch, cfg.eval_batches)
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
-    opt = adamw(learning_rate=options.make_schedule(cfg), b1=0.9, b2=0.95,
+    opt = adamw(learning_rate=recipe.make_schedule(cfg), b1=0.9, b2=0.95,
                 weight_decay=cfg.weight_decay, mask=presets.by_leaf(presets.gpt_decay))
     engine = zj.Engine(GPT.from_preset("test"), opt, zj.make_mesh(data=4),
                        zj.ZeroConfig(stage=cfg.stage, clip_norm=cfg.clip_norm, remat=cfg.remat))

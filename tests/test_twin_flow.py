@@ -16,7 +16,7 @@ from test_offload import STACK_BATCH, TO_HOST, Stack, _cuda_step, _loop_bodies, 
 from test_state import BATCHES, Norm
 
 import zerojax as zj
-import zerojax.update.host as host
+import zerojax.offload.host as host
 from zerojax.analysis.measurement import state_bytes, twin_flow_bytes
 from zerojax.step import per_unit
 
@@ -214,7 +214,8 @@ def test_twin_flow_meets_the_model_axis_muon_accumulation_and_hpz(apart, monkeyp
     the delayed update: the same losses, the params to 1e-5 of how far they moved (Muon:
     1e-4, its Newton-Schulz products round otherwise in a program of their own; measured
     1.4e-5)."""
-    from zerojax.update import parts, presets
+    from zerojax.app import presets
+    from zerojax.update import parts
 
     if case == "3 devices, parts":
         monkeypatch.setattr(parts, "LEAST", 0)

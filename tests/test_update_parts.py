@@ -14,7 +14,8 @@ from test_offload import learn_units
 
 import zerojax as zj
 import zerojax.update.parts as parts_module
-from zerojax.update import presets
+from zerojax.app import presets
+from zerojax.offload import side_by_side, twin_flow
 from zerojax.update.reps import Flat
 
 
@@ -167,7 +168,7 @@ def test_programs_run_side_by_side_unless_they_wait_for_their_mesh():
                                            out_specs=spec)))
     summed = Recorded(jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
                                             in_specs=spec, out_specs=spec)))
-    run = parts_module.SideBySide()
+    run = side_by_side.SideBySide()
     for first in (True, False):  # the second time from what the first found
         threads.clear()
         out = run([(double, (x,), 1), (local, (x,), 2), (summed, (x,), 2), (double, (x,), 1)])
@@ -207,7 +208,7 @@ def test_a_run_in_parts_on_a_host_mesh_apart(monkeypatch, tmp_path):
     the one program's run, its losses to 1e-6 and its params to 1e-5 of how far they moved."""
     from jax.sharding import Mesh
 
-    import zerojax.update.host as host
+    import zerojax.offload.host as host
 
     devices = jax.devices()
     mesh = zj.make_mesh(data=2, replica=2, devices=devices[:4])
@@ -246,7 +247,7 @@ def test_twin_flows_share_is_whole_groups_and_leaves_the_host_some():
     share nearer 1 - fraction of the params; the smallest group stays on the host however
     small the fraction. Equal groups go in order."""
     found, sizes = [[0], [1, 2], [3]], [10, 5, 5, 10]
-    share = parts_module.device_share
+    share = twin_flow.device_share
     assert share(found, sizes, 1.0) == frozenset()
     assert share(found, sizes, 0.5) == {0}  # 10 of 30 on the devices, as near 15 as 20 is
     assert share(found, sizes, 0.3) == {0, 1, 2}  # 20: the nearest to 21

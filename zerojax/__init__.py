@@ -6,13 +6,8 @@ The ZeRO core is this folder's modules; `analysis/`, `checkpoint/` and `app/` ar
 
 import importlib
 
-from zerojax.analysis.accounting import (
-    CommEstimate,
-    EstimateError,
-    MemoryEstimate,
-    comm_estimate,
-    estimate,
-)
+from zerojax.analysis.accounting import CommEstimate, MemoryEstimate, comm_estimate, estimate
+from zerojax.analysis.estimate_args import EstimateError
 from zerojax.analysis.flops import peak_tflops, step_flops, throughput
 from zerojax.analysis.measurement import Measurement, measure
 from zerojax.analysis.planning import PlanResult, plan
@@ -28,9 +23,9 @@ from zerojax.errors import (
     StateError,
 )
 from zerojax.mesh import batch_axes, initialize_distributed, make_mesh
+from zerojax.offload.fused import adamw
 from zerojax.protocol import Model, Units
 from zerojax.state import TrainState
-from zerojax.update.fused import adamw
 
 __version__ = "0.1.0"
 

@@ -27,7 +27,7 @@ class TrainState(NamedTuple):
     compute: Any  # param_dtype: stages 0–2 logical {replicated}; stage 3 like `master`;
     #               None where it would equal `master` (float32 in stages 0 and 3, no offload)
     # With offload="optimizer", `master`, `opt_state` and `pending` live on the host mesh
-    # (update/offload.py).
+    # (offload/meshes.py).
     loss_scale: LossScale
     rng: Any = None  # u32 [2] {replicated}: data of the base key the model's keys derive from
     model_state: Any = None  # the model's state (init_state) {replicated}; None if it has none

@@ -14,7 +14,7 @@ The ZeRO++ options change how these collectives travel (`plan.wire`, collectives
 which ones run.
 
 With `offload="optimizer"` the master shard and the optimizer state live on the host's CPU
-devices and the step is split (update/host.py): `local_grads` and `settle` on the devices,
+devices and the step is split (offload/host.py): `local_grads` and `settle` on the devices,
 the update on the host, `_refresh` on the devices again, so the device never holds fp32
 master or moments.
 """
@@ -46,7 +46,15 @@ from zerojax.partition import Layout, pad_flat, unpad
 from zerojax.precision import DTYPES, update_loss_scale
 from zerojax.state import TrainState
 from zerojax.units import ShardUnits, UnitReused, make_handles
-from zerojax.update import DEVICE, HOST, ShardedUpdate, to_memory
+from zerojax.update import ShardedUpdate
+
+# The memory spaces an offloaded step moves values between inside its program (the gradient
+# shard to the host, per unit; a hosted master read on the devices: `on_device`).
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def to_memory(tree, space):
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class StepPlan:
 
     model: Any
     optimizer: optax.GradientTransformation
-    update: ShardedUpdate  # the optimizer over this layout's shards (update.py)
+    update: ShardedUpdate  # the optimizer over this layout's shards (update/)
     layout: Layout  # over the "data" axis (shards = 1 in stage 0)
     config: ZeroConfig
     axes: tuple[str, ...]  # all mesh axes, ("replica", "data") or ("data",)

@@ -14,25 +14,25 @@ are tensor.py's.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Any
 
 import jax.numpy as jnp
 
+from zerojax.analysis.estimate_args import (
+    EstimateError,
+    check_args,
+    check_delayed,
+    check_formats,
+    check_fraction,
+    check_hpz,
+)
 from zerojax.analysis.tensor import Activations
-from zerojax.collectives.quantize import FORMATS, SCALE_BYTES, bytes_per_element
-from zerojax.config import OFFLOADS, QUANT_BLOCK
+from zerojax.collectives.quantize import SCALE_BYTES, bytes_per_element
+from zerojax.config import QUANT_BLOCK
 from zerojax.precision import DTYPES
 from zerojax.step import stores_compute
 
 # --- Analytic model --------------------------------------------------------------------------
-
-STAGES = (0, 1, 2, 3)
-
-
-class EstimateError(ValueError):
-    """A bad argument to the analytic estimates; the message names the value and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,44 +122,6 @@ class CommEstimate:
 ZEROPP_COMM = ("all_to_all", "all_gather_scales", "all_to_all_scales")
 
 
-def _check(num_params: Any, devices: Any, stage: Any, replica: Any, offload: Any = None,
-           model: Any = 1, split_params: Any = None, **nbytes: Any) -> int:
-    """Validates the common arguments; returns N, the devices the state is sharded over (the
-    `data` axis: devices / (replica · model))."""
-    if offload is not None and offload not in OFFLOADS:
-        raise EstimateError(f"offload={offload!r} is not an offload mode; use one of "
-                            f"{OFFLOADS} or None")
-    if offload is not None and stage == 0:
-        raise EstimateError(f"offload={offload!r} needs stage 1, 2 or 3 (got stage=0); stage 0 "
-                            f"has no optimizer shard to offload")
-    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)):
-        raise EstimateError(f"num_params={num_params!r} must be a number of parameters")
-    if not (num_params >= 0 and math.isfinite(num_params)) or num_params != int(num_params):
-        raise EstimateError(f"num_params={num_params!r} must be a non-negative whole number")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
-        raise EstimateError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    for name, value in (("devices", devices), ("replica", replica), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EstimateError(f"{name}={value!r} must be an integer >= 1")
-    if devices % replica:
-        raise EstimateError(
-            f"devices={devices} is not divisible by replica={replica}; "
-            f"use a replica count that divides the device count"
-        )
-    if devices % (replica * model):
-        raise EstimateError(f"devices={devices} do not split into replica={replica} x data x "
-                            f"model={model}; use a model size that divides devices / replica")
-    if split_params is not None and (isinstance(split_params, bool)
-                                     or not isinstance(split_params, (int, float))
-                                     or not 0 <= split_params <= num_params):
-        raise EstimateError(f"split_params={split_params!r} must be a number of params between "
-                            f"0 and num_params={num_params}")
-    for name, value in nbytes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise EstimateError(f"{name}={value!r} must be a non-negative number of bytes")
-    return devices // (replica * model)
-
-
 def _piece(num_params: int, model: int, split_params: float | None) -> float:
     """Params of one device's model piece (all of them without a model axis)."""
     from zerojax.analysis.tensor import piece_params
@@ -216,7 +178,7 @@ def estimate(
     transfer) on the host; the devices hold and update the rest (in `optimizer` and `total`).
     The engine splits by whole leaves, so its measured share is near f, not exactly f.
     """
-    n = _check(
+    n = check_args(
         num_params,
         devices,
         stage,
@@ -228,9 +190,9 @@ def estimate(
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
     )
-    _check_hpz(hpz, stage, replica)
-    _check_delayed(delayed_update, offload)
-    _check_fraction(offload_fraction, offload)
+    check_hpz(hpz, stage, replica)
+    check_delayed(delayed_update, offload)
+    check_fraction(offload_fraction, offload)
     psi = _piece(int(num_params), model, split_params)
     secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
         if hpz else 0.0
@@ -250,44 +212,6 @@ def estimate(
     return MemoryEstimate(params, grads, kept, params + grads + kept + secondary + ahead,
                           f * (optimizer + pending), f * transfer, secondary, f * pending,
                           ahead)
-
-
-def _check_fraction(offload_fraction: Any, offload: Any) -> None:
-    f = offload_fraction
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-        raise EstimateError(f"offload_fraction={f!r} must be a number in (0, 1]: the host's "
-                            f"share of the offloaded state")
-    if f < 1 and offload is None:
-        raise EstimateError(f"offload_fraction={f} needs offload='optimizer' (got "
-                            f"offload=None): it splits the offloaded state")
-
-
-def _check_delayed(delayed_update: Any, offload: Any) -> None:
-    if delayed_update is None:
-        return
-    if isinstance(delayed_update, bool) or not isinstance(delayed_update, int) \
-            or delayed_update < 0:
-        raise EstimateError(f"delayed_update={delayed_update!r} must be an integer K >= 0 "
-                            f"(or None: no delay)")
-    if offload is None:
-        raise EstimateError(f"delayed_update={delayed_update} needs offload='optimizer' (got "
-                            f"offload=None): the delayed update is the offloaded one")
-
-
-def _check_hpz(hpz: Any, stage: int, replica: int) -> None:
-    if hpz and (stage != 3 or replica < 2):
-        raise EstimateError(f"hpz=True needs stage 3 and replica >= 2 (got stage={stage}, "
-                            f"replica={replica}): hpZ's secondary copy is sharded within a "
-                            f"replica")
-
-
-def _check_formats(quantize_weights: Any, quantize_grads: Any, quant_block: Any) -> None:
-    if quantize_weights not in (None, "int8"):
-        raise EstimateError(f"quantize_weights={quantize_weights!r}: use 'int8' or None")
-    if quantize_grads not in (None, *FORMATS):
-        raise EstimateError(f"quantize_grads={quantize_grads!r}: use one of {FORMATS} or None")
-    if isinstance(quant_block, bool) or not isinstance(quant_block, int) or quant_block < 1:
-        raise EstimateError(f"quant_block={quant_block!r} must be a positive integer")
 
 
 # XLA:GPU's pinned-host allocator (where offload's gradient shard goes on its way to the host
@@ -322,7 +246,7 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                    offload_fraction: float = 1.0) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
-    moments, 8; any optimizer's: `zerojax.update.presets.state_size(...).per_param`).
+    moments, 8; any optimizer's: `zerojax.analysis.measurement.state_size(...).per_param`).
 
     `estimate` with the engine's byte sizes: params and grads in `param_dtype`; K = 4 (fp32
     master) + the optimizer state (Adam: K = 12), except where the compute params are the fp32
@@ -342,9 +266,9 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                             f"{sorted(DTYPES)}")
     size = jnp.dtype(DTYPES[param_dtype]).itemsize
     master = 0 if shares_master(param_dtype, stage, offload) else MASTER_BYTES
-    _check(num_params, devices, stage, replica, offload, model, split_params,
-           optimizer_state_bytes=optimizer_state_bytes)
-    _check_formats(quantize_weights, quantize_grads, quant_block)
+    check_args(num_params, devices, stage, replica, offload, model, split_params,
+               optimizer_state_bytes=optimizer_state_bytes)
+    check_formats(quantize_weights, quantize_grads, quant_block)
     secondary = bytes_per_element(quantize_weights, quant_block) if quantize_weights else size
     grads = MASTER_BYTES if quantize_grads else size
     return estimate(num_params, devices, stage, param_bytes=size, grad_bytes=grads,
@@ -399,7 +323,7 @@ def comm_estimate(
     (`tensor.megatron_bytes`) add to `all_reduce` and `axes["model"]`.
     """
     rb = grad_bytes if reduce_bytes is None else reduce_bytes
-    n = _check(
+    n = check_args(
         num_params,
         devices,
         stage,
@@ -411,8 +335,8 @@ def comm_estimate(
         param_bytes=param_bytes,
         reduce_bytes=rb,
     )
-    _check_formats(quantize_weights, quantize_grads, quant_block)
-    _check_hpz(hpz, stage, replica)
+    check_formats(quantize_weights, quantize_grads, quant_block)
+    check_hpz(hpz, stage, replica)
     if quantize_weights and stage == 0:
         raise EstimateError("quantize_weights needs stage 1, 2 or 3: stage 0 gathers no params")
     psi = _piece(int(num_params), model, split_params)
@@ -473,72 +397,3 @@ def format_bytes(n: float) -> str:
         v, k = v / 1000, k + 1
     text = f"{v:.0f}" if k == 0 and v.is_integer() else _sig3(v)
     return f"{sign}{text} {_UNITS[k]}"
-
-
-def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[str, str]]:
-    """Rows for stages 0..3: memory by kind, total, saving vs stage 0 and bytes sent per step.
-
-    `kwargs` are the byte sizes, `replica`, `offload`, `model` and `split_params` of
-    `estimate` / `comm_estimate` (and its `activations`: then an "over model" column), and
-    ZeRO++'s `quantize_weights` (stages 1-3), `quantize_grads` and `hpz` (stage 3 row).
-    With `offload`, stages 1-3 offload (stage 0, which cannot, stays the baseline) and the rows
-    add the `host` bytes, the `host peak` of the in-place host update (`host_peak`) and the
-    host<->device `transfer` per step; `total` is device bytes. `delayed_update` (with
-    `offload`) counts the pending update (`estimate`) and adds its column; `offload_fraction`
-    (Twin-Flow) keeps that share on the host.
-    """
-    mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
-                "split_params", "delayed_update", "offload_fraction")
-    comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica", "model",
-                 "split_params", "activations")
-    zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
-    unknown = set(kwargs) - set(mem_keys) - set(comm_keys) - set(zeropp_keys)
-    if unknown:
-        known = sorted({*mem_keys, *comm_keys, *zeropp_keys})
-        raise EstimateError(f"unknown options {sorted(unknown)}; use {known}")
-    mem_kw = {k: v for k, v in kwargs.items() if k in mem_keys}
-    comm_kw = {k: v for k, v in kwargs.items() if k in comm_keys}
-    qw, qg = kwargs.get("quantize_weights"), kwargs.get("quantize_grads")
-    hpz = kwargs.get("hpz", False)
-    _check_formats(qw, qg, QUANT_BLOCK)
-    offload = mem_kw.pop("offload", None)
-    delayed = mem_kw.pop("delayed_update", None)
-    fraction = mem_kw.pop("offload_fraction", 1.0)
-    _check_delayed(delayed, offload)
-    _check_fraction(fraction, offload)
-    base = estimate(num_params, devices, 0, **mem_kw).total
-    secondary = bytes_per_element(qw, QUANT_BLOCK) if qw else mem_kw.get("param_bytes", 2)
-    rows = []
-    for stage in STAGES:
-        # ZeRO++ where the stage has it: qwZ from stage 1 (stage 0 gathers no params), hpZ at 3.
-        zpp = {"quantize_weights": qw if stage else None, "quantize_grads": qg,
-               "hpz": bool(hpz) and stage == 3}
-        m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None,
-                     hpz=zpp["hpz"], secondary_bytes=secondary,
-                     delayed_update=delayed if stage else None,
-                     offload_fraction=fraction if stage else 1.0)
-        c = comm_estimate(num_params, devices, stage, **comm_kw, **zpp)
-        saving = 1 - m.total / base if base else 0.0
-        row = {
-            "stage": str(stage) + (" + offload" if offload and stage else ""),
-            "params": format_bytes(m.params),
-            "grads": format_bytes(m.grads),
-            "optimizer": format_bytes(m.optimizer),
-            "total": format_bytes(m.total),
-            "saving": f"{100 * saving:.1f}%",
-            "comm": format_bytes(c.total),
-        }
-        if offload:
-            row["host"] = format_bytes(m.host)
-            row["host peak"] = format_bytes(m.host_peak) if stage else format_bytes(0)
-            row["host<->device"] = format_bytes(m.transfer)
-        if offload and delayed is not None:
-            row["of which pending"] = format_bytes(m.pending)
-        if hpz:
-            row["hpZ secondary"] = format_bytes(m.secondary)
-        if qw or qg:
-            row["of which scales"] = format_bytes(c.all_gather_scales + c.all_to_all_scales)
-        if "model" in c.axes:
-            row["over model"] = format_bytes(c.axes["model"])
-        rows.append(row)
-    return rows

@@ -25,8 +25,8 @@ from zerojax.analysis.console import (
     stages_arg,
 )
 from zerojax.analysis.planning import LR, named_optimizer
+from zerojax.app.presets import OPTIMIZERS
 from zerojax.config import OFFLOADS
-from zerojax.update.presets import OPTIMIZERS
 
 
 def _start_devices(p: Parser, devices: int) -> None:
@@ -190,7 +190,8 @@ def _optimizer_fact(name: str, model) -> str:
         return f"AdamW (lr {LR:g}), moments in float32"
     import jax
 
-    from zerojax.update.presets import STATE, TITLE, state_size
+    from zerojax.analysis.measurement import state_size
+    from zerojax.app.presets import STATE, TITLE
 
     params = jax.eval_shape(model.init, jax.random.key(0))
     k = state_size(named_optimizer(name), params).per_param

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from zerojax.analysis.accounting import STAGES
+from zerojax.analysis.estimate_args import STAGES
 from zerojax.analysis.tables import table
 
 

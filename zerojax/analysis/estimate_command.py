@@ -10,11 +10,8 @@ from typing import Any
 from zerojax.analysis.accounting import (
     ADAM_BYTES,
     MASTER_BYTES,
-    STAGES,
-    EstimateError,
     comm_estimate,
     estimate,
-    estimate_table,
     format_bytes,
     pinned_limit,
 )
@@ -26,10 +23,12 @@ from zerojax.analysis.console import (
     print_assumptions,
     print_table,
 )
+from zerojax.analysis.estimate_args import STAGES, EstimateError
+from zerojax.analysis.estimate_table import estimate_table
 from zerojax.analysis.planning import named_optimizer
+from zerojax.app.presets import OPTIMIZERS
 from zerojax.collectives.quantize import bytes_per_element
 from zerojax.config import OFFLOADS, QUANT_BLOCK
-from zerojax.update.presets import OPTIMIZERS
 
 
 def estimate_main(argv: list[str]) -> int:

@@ -16,13 +16,12 @@ from zerojax.analysis.accounting import (
     ADAM_BYTES,
     PINNED_LIMIT_DEFAULT_GB,
     PINNED_LIMIT_ENV,
-    STAGES,
-    EstimateError,
     format_bytes,
     pinned_limit,
     state_estimate,
 )
 from zerojax.analysis.console import print_assumptions, print_table
+from zerojax.analysis.estimate_args import STAGES, EstimateError
 from zerojax.analysis.planning import named_optimizer
 
 # GPT-3's shapes (Brown et al. 2020, table 2.1; 16 heads of 128 for 1.3B, whose table row is not
@@ -67,8 +66,8 @@ def state_per_param(optimizer, cfg) -> float:
     init on abstract params: nothing is allocated)."""
     import jax
 
+    from zerojax.analysis.measurement import state_size
     from zerojax.models.gpt import GPT
-    from zerojax.update.presets import state_size
 
     return state_size(optimizer, jax.eval_shape(GPT(cfg).init, jax.random.key(0))).per_param
 
@@ -235,7 +234,7 @@ def _optimizer_fact(name: str, optimizer, family) -> str:
     if optimizer is None:
         return ("AdamW, moments in float32 (state: zerojax.analysis.accounting.state_estimate, "
                 "grads included)")
-    from zerojax.update.presets import STATE, TITLE
+    from zerojax.app.presets import STATE, TITLE
 
     ks = [state_per_param(optimizer, c) for c in family.values()]
     return (f"{TITLE[name]}, {STATE[name]} in float32: K = {min(ks):.4g} to {max(ks):.4g} "

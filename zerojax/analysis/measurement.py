@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from zerojax.analysis.accounting import (
     ADAM_BYTES,
@@ -32,7 +33,6 @@ from zerojax.analysis.tensor import Activations
 from zerojax.config import QUANT_BLOCK
 from zerojax.mesh import batch_sharding
 from zerojax.precision import DTYPES
-from zerojax.update.presets import StateSize, state_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +242,32 @@ def model_sites(compiled_text: str, engine) -> list[dict]:
     sites, _ = collective_sites(compiled_text, r * d * m)
     return [s for s in as_requested(sites, dtype.itemsize, name)
             if mesh_axis(s["groups"], r, d, m) == "model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSize:
+    """The optimizer state `init` allocates for some params, in bytes (master copy excluded)."""
+
+    total: int  # every leaf
+    scalars: int  # 0-d leaves: step counts, hyperparameters; they do not grow with the model
+    num_params: int
+
+    @property
+    def per_param(self) -> float:
+        """Bytes per parameter of the state that grows with the model (scalars left out):
+        the K of the ZeRO paper's accounting without the fp32 master (Adam: 8)."""
+        return (self.total - self.scalars) / self.num_params if self.num_params else 0.0
+
+
+def state_size(optimizer: optax.GradientTransformation, params) -> StateSize:
+    """The bytes of `optimizer.init(params)` for `params` (arrays or `ShapeDtypeStruct`s),
+    from shapes alone: nothing is allocated."""
+    state = jax.eval_shape(optimizer.init, params)
+    leaves = jax.tree.leaves(state)
+    nbytes = lambda x: math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
+    return StateSize(total=sum(nbytes(x) for x in leaves),
+                     scalars=sum(nbytes(x) for x in leaves if not x.shape),
+                     num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
 def optimizer_state_size(engine) -> StateSize:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zerojax.analysis import plan_checks as check
-from zerojax.analysis.accounting import STAGES, format_bytes
+from zerojax.analysis.accounting import format_bytes
+from zerojax.analysis.estimate_args import STAGES
 from zerojax.analysis.ranking import GAIN, TIE, best_per_group, budget_text, choose, cost_of
 from zerojax.analysis.steptime import (
     EFFICIENCY,
@@ -33,9 +34,9 @@ __all__ = ["GAIN", "TIE", "Candidate", "PlanResult", "link_seconds", "named_opti
 
 
 def named_optimizer(name: str):
-    """The `zerojax.update.presets` optimizer `name` as `plan` and `measure` build it (at `LR`
+    """The `zerojax.app.presets` optimizer `name` as `plan` and `measure` build it (at `LR`
     and train's default weight decay: what it allocates depends on neither)."""
-    from zerojax.update.presets import build
+    from zerojax.app.presets import build
 
     return build(name, LR, weight_decay=WEIGHT_DECAY)
 

@@ -28,9 +28,9 @@ from zerojax.analysis.accounting import (
     shares_master,
     state_estimate,
 )
+from zerojax.app.presets import STATE, TITLE
 from zerojax.app.records import tflops_text
 from zerojax.precision import DTYPES
-from zerojax.update.presets import STATE, TITLE
 
 
 def make_console(quiet: bool) -> Console:
@@ -236,7 +236,7 @@ def host_need(cfg, model, optimizer, devices, process: int) -> tuple[float, RunE
     the params, all of them are taken as split: the least the run can need."""
     if cfg.offload is None:
         return 0.0, None
-    from zerojax.update.presets import state_size
+    from zerojax.analysis.measurement import state_size
 
     size = state_size(optimizer, jax.eval_shape(model.init, jax.random.key(0)))
     split = size.num_params if getattr(cfg, "model_parallel", 1) > 1 else None

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from zerojax.app.files import replace_file
-from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps, make_schedule
+from zerojax.app.options import TrainConfig, UsageError, checkpoint_steps
+from zerojax.app.recipe import make_schedule
 
 
 def intact_hint(error: BaseException, flag_: str, verb: str = "resume") -> str:

@@ -11,7 +11,8 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from zerojax.app.options import CHECKPOINTS, UsageError, checkpoint_steps, make_optimizer
+from zerojax.app.options import CHECKPOINTS, UsageError, checkpoint_steps
+from zerojax.app.recipe import make_optimizer
 from zerojax.app.resume import intact_hint, saved_config
 from zerojax.errors import CheckpointError, ZeroError
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from zerojax.errors import CheckpointError
-from zerojax.update.offload import by_mesh
+from zerojax.offload.meshes import by_mesh
 
 # Version 2: position-sensitive checksums, which also cover the step counter, loss scale, base
 # key and model state.

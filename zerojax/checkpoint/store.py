@@ -39,8 +39,8 @@ from zerojax.checkpoint.record import (
     per_mesh,
 )
 from zerojax.errors import ArgumentError, CheckpointError
+from zerojax.offload.meshes import OnMeshes
 from zerojax.state import check_state
-from zerojax.update.offload import OnMeshes
 
 META = "meta"
 # The target size of a save's data files (a file may reach about twice it). Orbax's OCDBT

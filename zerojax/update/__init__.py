@@ -5,16 +5,17 @@ on the logical shapes and runs that trace over each device's flat shards (interp
 is elementwise stays local and costs nothing new, a norm or any other reduction of a leaf is a
 local segment reduction plus one fused all-reduce per round (program.py), and whole-matrix
 work (Muon's Newton–Schulz, any matmul, transpose or sort of a leaf) runs on an owner device
-per matrix (owners.py). Mask and label functions see logical leaves, as in plain optax. With
-offload, the whole update runs on the host's CPU devices (host.py).
+per matrix (owners.py). Mask and label functions see logical leaves, as in plain optax. The
+offload wing (zerojax/offload/) runs this update on the host's CPU devices, whole or as the
+parts it splits into (parts.py); nothing here knows of it beyond `StepUpdate.out_dtype`.
 
 Modules: reps.py (how a value lives on the devices; the flat layout's index arithmetic),
-interpret.py (the planner: a rule per kind of primitive), control.py (cond, scan, while),
+interpret.py (the planner: a jaxpr walked over reps), rules.py (the rule of each kind of data
+primitive: elementwise, reductions, dot, reshape, broadcast), control.py (cond, scan, while),
 program.py (ops, rounds, fused collectives), owners.py and evaluate.py (owner regions),
 placement.py (which device owns which instance, balanced by FLOPs), exchange.py (a wave of
-owner groups as ops), offload.py, parts.py (the update as parts of disjoint leaves, for
-offload's host), fused.py (zerojax.adamw: the offloaded host update as one fused pass per
-leaf), presets.py (the command line's named optimizers and state sizes).
+owner groups as ops), parts.py (the update as parts of disjoint leaves: which leaves the
+optimizer ties together).
 
 Optimizer state: a leaf that the update computes elementwise from the params or gradients is
 stored like them (flat, padded, 1/N per device); other leaves (counts, hyperparameters,
@@ -37,7 +38,6 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import DATA, MODEL
 from zerojax.partition import Layout
 from zerojax.update.interpret import shard_jaxpr
-from zerojax.update.offload import DEVICE, HOST, to_memory
 from zerojax.update.owners import Owners
 from zerojax.update.parts import PARTS, Grouping, Part, split
 from zerojax.update.placement import loads
@@ -375,5 +375,5 @@ class ShardedUpdate:
                           "replicated": len(self.sharded) - sum(self.sharded)}}
 
 
-__all__ = ["DEVICE", "HOST", "ShardedUpdate", "StepUpdate", "as_transformation", "step_update",
-           "takes_value", "to_memory"]
+__all__ = ["ShardedUpdate", "StepUpdate", "as_transformation", "grad_scale", "step_update",
+           "takes_value"]

@@ -1,5 +1,7 @@
 """cond, scan and while over flat shards (interpret.py): each body is planned as a program of
 its own, over the reps its operands have; loop carries take the reps a fixed point gives.
+The planner is seen as `rules.Planning` (a body is planned by its `body`): interpret.py
+imports this module, never the reverse.
 
 A Flat operand stays Flat inside a body (MultiSteps' accumulators, apply_if_finite's inner
 state), a stacked Flat value scanned over its layers gives each iteration its layer's part,
@@ -11,27 +13,24 @@ whole).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from jax import lax
 
 from zerojax.collectives import vary
 from zerojax.update.program import Program
 from zerojax.update.reps import WHOLE, Bcast, Flat, Partial, join
-
-if TYPE_CHECKING:  # interpret.py's rules call these; a body is planned by Planner.body
-    from zerojax.update.interpret import Planner
+from zerojax.update.rules import Planning
 
 _MAX_FIXED_POINT = 8
 
 
-def _sub(p: Planner, closed, in_reps, out_reps=None) -> tuple[Program, list]:
+def _sub(p: Planning, closed, in_reps, out_reps=None) -> tuple[Program, list]:
     prog, natural, sub = p.body(closed, in_reps, out_reps)
     prog.whole_ops = sub.whole_ops
     return prog, [WHOLE if isinstance(r, Partial) else r for r in natural]
 
 
-def _claimed(p: Planner, eqn, ins, *progs: Program):
+def _claimed(p: Planning, eqn, ins, *progs: Program):
     """A body that assembles whole tensors: the owner hooks take the whole op instead (its
     work then runs once per matrix, on the matrix's owner), else it runs as planned."""
     whole = [name for prog in progs for name in prog.whole_ops]
@@ -43,7 +42,7 @@ def _claimed(p: Planner, eqn, ins, *progs: Program):
     return None
 
 
-def _settled(p: Planner, ks: list[int]) -> list[int]:
+def _settled(p: Planning, ks: list[int]) -> list[int]:
     """Operands of a control-flow op: no Partial crosses its boundary."""
     return [p.whole(k) if isinstance(p.rep[k], Partial) else k for k in ks]
 
@@ -52,7 +51,7 @@ def _kind(*progs: Program) -> str:
     return "sync" if any(prog.collectives or prog.syncs for prog in progs) else "local"
 
 
-def _typed(p: Planner, reps, xs):
+def _typed(p: Planning, reps, xs):
     """Flat values typed as varying over the data axis (hpZ: both axes), as every path must
     give them."""
     if p.shards == 1:
@@ -61,7 +60,7 @@ def _typed(p: Planner, reps, xs):
     return tuple(vary(x, axes) if isinstance(r, Flat) else x for r, x in zip(reps, xs))
 
 
-def plan_cond(p: Planner, eqn, ins):
+def plan_cond(p: Planning, eqn, ins):
     index, ops = p.whole(ins[0]), _settled(p, ins[1:])
     in_reps = [p.rep[k] for k in ops]
     branches = eqn.params["branches"]
@@ -86,7 +85,7 @@ def _stack(rep, length):
     return WHOLE
 
 
-def _unstack(p: Planner, k, length):
+def _unstack(p: Planning, k, length):
     """(key, body rep) of a scanned-over operand."""
     rep = p.rep[k]
     if isinstance(rep, Flat) and rep.phys.lead == length and rep.shape[:1] == (length,):
@@ -108,7 +107,7 @@ def _carry_fixed_point(p, body, fixed_reps, carry_reps, after, ncarry):
     return carry_reps, _sub(p, body, [*fixed_reps, *carry_reps, *after])[1][ncarry:]
 
 
-def plan_scan(p: Planner, eqn, ins):
+def plan_scan(p: Planning, eqn, ins):
     prm = eqn.params
     nc, ncarry, length = prm["num_consts"], prm["num_carry"], prm["length"]
     ins = _settled(p, ins)
@@ -139,7 +138,7 @@ def plan_scan(p: Planner, eqn, ins):
                    kind=_kind(prog))
 
 
-def plan_while(p: Planner, eqn, ins):
+def plan_while(p: Planning, eqn, ins):
     prm = eqn.params
     ncc, nbc = prm["cond_nconsts"], prm["body_nconsts"]
     ins = _settled(p, ins)

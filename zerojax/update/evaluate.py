@@ -12,8 +12,8 @@ from jax import lax
 from jax.extend import core as jcore
 
 from zerojax.collectives import vary
-from zerojax.update.interpret import ELEMENTWISE
 from zerojax.update.program import vary_all
+from zerojax.update.rules import ELEMENTWISE
 
 
 class NotSeparable(Exception):

@@ -1,16 +1,15 @@
-"""A jaxpr over logical arrays, planned over flat shards: the rule of each kind of primitive.
+"""A jaxpr over logical arrays, planned over flat shards: the planner and its walk.
 
 A function of logical params (the step's update) is traced once to a jaxpr; `shard_jaxpr`
 turns it into a `Program` (program.py) that computes the same values inside the step's
 shard_map, where every param-like value is this device's part of a flattened, zero-padded
-leaf. Each value has a rep (reps.py), each primitive a rule: elementwise work on Flat values
-stays local; a reduction is a segment reduction of the local elements by their output index
-(padding excluded) and one collective (a sum stays Partial through additions and scalings, so
-a global norm costs one scalar all-reduce); a broadcast back onto a Flat value is a local
-index lookup; a reshape of a Flat value is free (the row-major flat order does not change);
-cond, scan and while plan their bodies (control.py); everything else (matmuls, transposes,
-slices, sorts) goes to the owner hooks (owners.py), or, where there are none (stage 0, inside
-a loop body), assembles its Flat operands (all_gather) and runs whole on every device.
+leaf. Each value has a rep (reps.py), each primitive a rule: the data primitives' in rules.py
+(elementwise, reductions, dot, reshape, broadcast), cond, scan and while in control.py (each
+body planned as a program of its own); a broadcast back onto a Flat value is a local index
+lookup (`Planner.flat`); everything else (matmuls, transposes, slices, sorts) goes to the owner
+hooks (owners.py), or, where there are none (stage 0, inside a loop body), assembles its Flat
+operands (all_gather) and runs whole on every device. The rule modules see the planner as
+`rules.Planning` and import nothing from here: the dependency runs one way.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from jax.extend import core as jcore
 from zerojax.update.control import plan_cond, plan_scan, plan_while
 from zerojax.update.program import Op, Program, bind, schedule
 from zerojax.update.reps import (
-    PARTIAL,
     WHOLE,
     Bcast,
     Flat,
@@ -42,27 +40,11 @@ from zerojax.update.reps import (
     bcast_to_flat,
     flat_index,
     from_flat,
-    segment_reduce,
     select,
     to_flat,
 )
+from zerojax.update.rules import ELEMENTWISE, RULES, elementwise
 
-# ---------------------------------------------------------------------------------------------
-# Primitive kinds
-
-ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
-complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
-exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le lgamma log
-log1p logistic lt max min mul ne neg nextafter not or polygamma population_count pow real
-reduce_precision regularized_incomplete_beta rem round rsqrt select_n shift_left
-shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor zeta
-random_gamma_grad
-""".split())
-# Linear in a Partial operand (the others Whole): a sum over devices commutes with them.
-LINEAR = {"add": "all", "sub": "all", "neg": "all", "mul": "one", "div": "first"}
-REDUCTIONS = {"reduce_sum": "psum", "reduce_max": "pmax", "reduce_min": "pmin",
-              "reduce_and": "pmin", "reduce_or": "pmax"}
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
@@ -160,7 +142,7 @@ class Planner:
             return self.local(lambda x: (lax.broadcast_in_dim(x, rep.shape, rep.dims),), [k],
                               [aval], [WHOLE])[0]
         if isinstance(rep, Partial):
-            return self.comm("psum", k, aval, WHOLE) if self.shards > 1 else self._as(k, WHOLE)
+            return self.comm("psum", k, aval, WHOLE) if self.shards > 1 else self.as_rep(k, WHOLE)
         # Flat: gather the parts, drop the padding.
         g = k
         if self.shards > 1:
@@ -168,7 +150,7 @@ class Planner:
                           WHOLE)
         return self.local(lambda x: (from_flat(x, rep),), [g], [aval], [WHOLE])[0]
 
-    def _as(self, k, rep, aval=None):
+    def as_rep(self, k, rep, aval=None):
         """`k` under another rep (no data moved): a Flat reshape, a Bcast, a known Whole."""
         aval = self.aval[k] if aval is None else aval
         return self.local(lambda x: (x,), [k], [aval], [rep])[0]
@@ -179,7 +161,7 @@ class Planner:
         if rep == want:
             return k
         if isinstance(rep, Flat) and rep.phys == want.phys:
-            return self._as(k, want)  # a reshape: the flat order is the same
+            return self.as_rep(k, want)  # a reshape: the flat order is the same
         if isinstance(rep, Owned):
             return self.hooks.export(self, k, want)
         if isinstance(rep, Bcast):
@@ -237,9 +219,9 @@ class Planner:
             out, ins = self.hooks.owned(self, eqn, ins)
             if out is not None:
                 return out
-        rule = RULES.get(name)
+        rule = CONTROL.get(name) or RULES.get(name)
         if rule is None and name in ELEMENTWISE:
-            rule = Planner.elementwise
+            rule = elementwise
         if rule is not None:
             out = rule(self, eqn, ins)
             if out is not None:
@@ -266,153 +248,6 @@ class Planner:
             return self.plan(sub.jaxpr, consts, ins)
         return self.plan(sub, [], ins)
 
-    # -- rules
-    def elementwise(self, eqn, ins):
-        prim, params = eqn.primitive, eqn.params
-        out_aval = eqn.outvars[0].aval
-        out_shape = tuple(out_aval.shape)
-        if any(isinstance(self.rep[k], Partial) for k in ins):
-            out = self._linear(eqn, ins)
-            if out is not None:
-                return out
-            ins = [self.whole(k) if isinstance(self.rep[k], Partial) else k for k in ins]
-        reps = [self.rep[k] for k in ins]
-        flats = [r for r in reps if isinstance(r, Flat)]
-        run = lambda *xs: bind(prim, params, *xs)
-        if flats:
-            want = Flat(flats[0].phys, out_shape)
-            # Operands of the output's shape (a scalar leaf's too) are taken as their flat
-            # parts; a scalar broadcasts as it is; others broadcast their size-1 axes.
-            ins = [self.whole(k) if self.aval[k].shape == () != out_shape else
-                   self.flat(self._implicit(k, out_shape), want) for k in ins]
-            return self.local(run, ins, [out_aval], [want])
-        shaped = {reps[i] for i, k in enumerate(ins) if self.aval[k].shape != ()}
-        if len(shaped) == 1 and isinstance(b := next(iter(shaped)), Bcast):
-            # Every shaped operand is the same broadcast: compute on the stored operands.
-            ins = [k if self.aval[k].shape != () else self.whole(k) for k in ins]
-            return self.local(run, ins, [out_aval], [b])
-        return None
-
-    def identity(self, eqn, ins):
-        """A sharding annotation (e.g. the `reshard` that `jnp.where` adds when traced under
-        the step's mesh): no value changes, so its operands pass through as they are."""
-        del eqn
-        return list(ins)
-
-    def _zero(self, k) -> bool:
-        v = self.consts.get(k)
-        return v is not None and isinstance(v, np.ndarray) and not v.any()
-
-    def _implicit(self, k, shape):
-        """`k` seen at `shape`: a binary op's operand may have size-1 axes it broadcasts."""
-        own = tuple(self.aval[k].shape)
-        if own == shape:
-            return k
-        aval = jax.ShapeDtypeStruct(shape, self.aval[k].dtype)
-        return self._as(self.whole(k), Bcast(shape, tuple(range(len(own))), own), aval)
-
-    def _linear(self, eqn, ins):
-        """A sum over devices commutes with + - and with scaling by a whole value."""
-        name, reps = eqn.primitive.name, [self.rep[k] for k in ins]
-        if name == "add" and any(self._zero(k) for k in ins):  # `sum(...)` starts from 0
-            ins = [k for k in ins if not self._zero(k)]
-            if len(ins) == 1 and tuple(self.aval[ins[0]].shape) == \
-                    tuple(eqn.outvars[0].aval.shape):
-                return [self._as(ins[0], PARTIAL, eqn.outvars[0].aval)]
-            return None
-        partial = [isinstance(r, Partial) for r in reps]
-        whole = [isinstance(r, Whole) for r in reps]
-        ok = {"all": all(partial),
-              "one": sum(partial) == 1 and all(p or w for p, w in zip(partial, whole)),
-              "first": partial[0] and all(whole[1:])}.get(LINEAR.get(name, ""), False)
-        if name in ("add", "sub") and not all(partial):
-            ok = False
-        if not ok or self.shards == 1:
-            return None
-        prim, params = eqn.primitive, eqn.params
-        return self.local(lambda *xs: bind(prim, params, *xs), ins,
-                          [eqn.outvars[0].aval], [PARTIAL])
-
-    def reduce(self, eqn, ins):
-        (k,), name = ins, eqn.primitive.name
-        rep, out_aval = self.rep[k], eqn.outvars[0].aval
-        axes = tuple(int(a) for a in eqn.params["axes"])
-        if isinstance(rep, Partial) and name == "reduce_sum":
-            prim, params = eqn.primitive, eqn.params
-            return self.local(lambda x: bind(prim, params, x), [k], [out_aval], [PARTIAL])
-        if not isinstance(rep, Flat):
-            return None
-        if self.shards == 1:  # every device holds the whole leaf: reduce it as it is
-            prim, params = eqn.primitive, eqn.params
-            return self.local(lambda x: bind(prim, params, from_flat(x, rep)), [k],
-                              [out_aval], [WHOLE])
-        flat, valid = self.index(rep.phys)
-        part = self.local(lambda x, f, v: (segment_reduce(x, f, v, rep, axes, name),),
-                          [k, flat, valid], [out_aval],
-                          [PARTIAL if name == "reduce_sum" else WHOLE])[0]
-        if name == "reduce_sum":
-            return [part]
-        return [self.comm(REDUCTIONS[name], part, out_aval, WHOLE)]
-
-    def dot(self, eqn, ins):
-        """A full contraction of two equally laid out values (vdot): a local sum."""
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        a, b = ins
-        ra, rb_ = self.rep[a], self.rep[b]
-        shape = tuple(self.aval[a].shape)
-        n = len(shape)
-        full = (tuple(lc) == tuple(rc) == tuple(range(n)) and not lb and not rb
-                and tuple(self.aval[b].shape) == shape)
-        flat = next((r for r in (ra, rb_) if isinstance(r, Flat)), None)
-        if not full or flat is None:
-            return None
-        want = Flat(flat.phys, shape)
-        a, b = self.flat(a, want), self.flat(b, want)
-        out_aval, pet = eqn.outvars[0].aval, eqn.params.get("preferred_element_type")
-        if self.shards == 1:
-            return self.local(lambda x, y: (jnp.sum(x * y, dtype=pet or out_aval.dtype),),
-                              [a, b], [out_aval], [WHOLE])
-
-        def local(x, y, *valid):
-            xy = x.astype(out_aval.dtype) * y.astype(out_aval.dtype)
-            return (jnp.sum(select(valid[0], xy, 0) if valid else xy),)
-
-        valid = [self.index(want.phys)[1]] if want.phys.padded else []
-        return self.local(local, [a, b, *valid], [out_aval], [PARTIAL])
-
-    def reshape(self, eqn, ins):
-        k = ins[0]
-        rep, out_aval = self.rep[k], eqn.outvars[0].aval
-        if isinstance(rep, Flat):
-            return [self._as(k, Flat(rep.phys, tuple(out_aval.shape)), out_aval)]
-        if isinstance(rep, Partial):
-            prim, params = eqn.primitive, eqn.params
-            return self.local(lambda *xs: bind(prim, params, *xs), ins[:1], [out_aval],
-                              [PARTIAL])
-        return None
-
-    def broadcast(self, eqn, ins):
-        k = ins[0]
-        rep, aval, out_aval = self.rep[k], self.aval[k], eqn.outvars[0].aval
-        shape, dims = tuple(out_aval.shape), tuple(eqn.params["broadcast_dimensions"])
-        if math.prod(aval.shape) == math.prod(shape) and list(dims) == sorted(dims):
-            return self.reshape(eqn, ins)  # only size-1 axes added: a reshape
-        if isinstance(rep, Whole) and len(ins) == 1:
-            return [self._as(k, Bcast(shape, dims, tuple(aval.shape)), out_aval)]
-        if isinstance(rep, Bcast):  # a broadcast of a broadcast: compose the dims
-            return [self._as(k, Bcast(shape, tuple(dims[d] for d in rep.dims), rep.operand),
-                             out_aval)]
-        return None
-
-    def cond(self, eqn, ins):
-        return plan_cond(self, eqn, ins)
-
-    def scan(self, eqn, ins):
-        return plan_scan(self, eqn, ins)
-
-    def while_(self, eqn, ins):
-        return plan_while(self, eqn, ins)
-
     def body(self, closed, in_reps, out_reps=None):
         """A control-flow body planned as a program of its own over `in_reps` (control.py):
         shard_jaxpr's (program, natural reps, planner), without owner hooks."""
@@ -423,18 +258,7 @@ class Planner:
         return schedule(self.ops, inputs, outputs, self.consts, self.axis, self.shards)
 
 
-RULES: dict[str, Callable] = {
-    **{name: Planner.reduce for name in REDUCTIONS},
-    "dot_general": Planner.dot,
-    "reshape": Planner.reshape,
-    "squeeze": Planner.reshape,
-    "expand_dims": Planner.reshape,
-    "broadcast_in_dim": Planner.broadcast,
-    **{name: Planner.identity for name in ("reshard", "sharding_constraint", "mesh_cast")},
-    "cond": Planner.cond,
-    "scan": Planner.scan,
-    "while": Planner.while_,
-}
+CONTROL: dict[str, Callable] = {"cond": plan_cond, "scan": plan_scan, "while": plan_while}
 
 
 def shard_jaxpr(closed, in_reps: list[Rep], out_reps: list[Rep | None] | None = None, *,

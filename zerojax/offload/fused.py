@@ -160,7 +160,7 @@ class FusedAdamW:
     """The step's update (`update.step_update` of a `zerojax.adamw`) over flat shards, as the
     host update's shard_map runs it: each leaf one call of the fused pass. Whole (`__call__`,
     in place of `ShardedUpdate.__call__`) or for some params (`part`, Twin-Flow's host share
-    in place of a part's program, parts.py)."""
+    in place of a part's program, update/parts.py)."""
 
     def __init__(self, spec: AdamWSpec, update):
         self.spec, self.how = spec, update.how

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.offload.fused import for_update
 from zerojax.step import _refresh, learning_rate, local_grads, settle
-from zerojax.update.fused import for_update
 
 
 class HostPrograms:
@@ -101,12 +101,12 @@ class HostPrograms:
 
     def _parts_fn(self, donate: bool, finite: bool, gdtypes, grads_too: bool,
                   host_parts: int | None = None, fused: bool = False):
-        """The update as parts (parts.py), each `(scalars, replicated state leaves, its master,
-        its sharded state leaves, its gradient) -> (its master, its state leaves, its shards)`,
-        a program of its own: [(part, its program)]. A part runs on the host mesh, Twin-Flow's
-        on the devices' (its gradient, state and shards in device memory). `donate` as
-        `_update_fn`'s; a replicated state leaf (read by every part) is not donated.
-        `host_parts`: the host's leaves in at most this many parts (default: parts.py's);
+        """The update as parts (update/parts.py), each `(scalars, replicated state leaves, its
+        master, its sharded state leaves, its gradient) -> (its master, its state leaves, its
+        shards)`, a program of its own: [(part, its program)]. A part runs on the host mesh,
+        Twin-Flow's on the devices' (its gradient, state and shards in device memory). `donate`
+        as `_update_fn`'s; a replicated state leaf (read by every part) is not donated.
+        `host_parts`: the host's leaves in at most this many parts (default: update/parts.py's);
         `fused`: a host part as `fused()`'s pass over its params, not its planned program."""
         eng = self.engine
 

@@ -1,6 +1,6 @@
 """What an offloaded step moves between the devices' mesh and the host mesh (host.py runs
 them): the gradient down, the compute-dtype shards up (a fused update's as each of its parts
-ends, `parts.Sending`), a tree's leaves to the devices and the step's scalars to the host."""
+ends, `side_by_side.Sending`), a tree's leaves to the devices and the step's scalars to the host."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.update.offload import across, mesh_of
+from zerojax.offload.meshes import across, mesh_of
 
 
 class HostMoves:

@@ -1,6 +1,6 @@
 // The offloaded AdamW update of one leaf as one pass over its host state: an XLA:CPU custom
 // call (typed FFI) that fused.py builds with the host's C++ compiler and the host update runs
-// (host_programs.py). Master, moments and gradient are aliased to the results, so each element
+// (programs.py). Master, moments and gradient are aliased to the results, so each element
 // is read once and written once, in place; the compute-dtype shard is written into the
 // gradient's buffer where their dtypes agree. The blocks run on the thread pool XLA hands the
 // call. The arithmetic is optax.adamw's (scale_by_adam, add_decayed_weights, the learning

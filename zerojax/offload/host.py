@@ -1,5 +1,5 @@
-"""ZeRO-Offload's step: `ZeroConfig(offload="optimizer")`; offload.py says where its state
-lives (the host mesh).
+"""ZeRO-Offload's step: `ZeroConfig(offload="optimizer")`; meshes.py says where its state
+lives (the host mesh), twin_flow.py which leaves stay on the devices.
 
 A step is three programs, dispatched in order and run asynchronously:
 
@@ -31,35 +31,27 @@ from __future__ import annotations
 
 import math
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.errors import ConfigError
 from zerojax.mesh import put_global
+from zerojax.offload.delayed import DelayedUpdate
+from zerojax.offload.meshes import OnMeshes, crosses, host_mesh, twins
+from zerojax.offload.moves import HostMoves
+from zerojax.offload.programs import HostPrograms
+from zerojax.offload.side_by_side import RUNS, Sending, SideBySide
+from zerojax.offload.twin_flow import HOSTED, Homes
 from zerojax.step import learning_rate
-from zerojax.update.delayed import Pending
-from zerojax.update.host_programs import HostPrograms
-from zerojax.update.moves import HostMoves
-from zerojax.update.offload import OnMeshes, crosses, host_mesh, twins
-from zerojax.update.parts import (
-    RUNS,
-    Sending,
-    SideBySide,
-    device_share,
-    holds_collective,
-    runs,
-)
-
-HOSTED = ("master", "opt_state", "pending")  # the TrainState fields on the host mesh
+from zerojax.update.parts import runs
 
 
-class HostOffload(HostPrograms, HostMoves):
-    """An engine's offload programs; with `delayed_update`, which one a state's next step
-    runs."""
+class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
+    """An engine's offload (`Engine._offload`): its state's homes, its programs and its step;
+    with `delayed_update` (`Engine._delay`), which one a state's next step runs."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -76,68 +68,32 @@ class HostOffload(HostPrograms, HostMoves):
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
         self._thread: ThreadPoolExecutor | None = None  # the delayed update's (`_beside`)
 
-    # ------------------------------------------------------------ placement
+    # ------------------------------------------------------------ what the engine asks
 
-    def shardings(self, specs):
-        """NamedShardings on the host mesh of a tree of PartitionSpecs."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P))
+    def host_update(self) -> str:
+        """`Engine.host_update`: "fused" or "xla: <why not fused>"."""
+        self.engine.layout  # noqa: B018 -- raises a clear error before init
+        fused, why = self.fused()
+        return "fused" if fused is not None else f"xla: {why}"
 
-    def split(self) -> tuple[frozenset[int], frozenset[int]]:
-        """Twin-Flow (`offload_fraction` < 1): (the params whose master and optimizer state
-        stay in the devices' memory and are updated there, their sharded optimizer-state
-        leaves), whole groups of leaves as the update ties them (parts.py); empty at 1.0."""
-        def build():
-            if self.fraction >= 1:
-                return frozenset(), frozenset()
-            layout = self.engine.layout
-            grouping = self.engine.plan.update.grouping()
-            found = grouping.groups
-            if len(found) < 2:
-                raise ConfigError(
-                    f"offload_fraction={self.fraction} splits the update between the host and "
-                    f"the devices by leaves, but this optimizer ties every leaf to every other "
-                    f"(a computation over all of them, such as optax.clip_by_global_norm in "
-                    f"its chain); clip with ZeroConfig(clip_norm=...) instead, or use "
-                    f"offload_fraction=1.0")
-            device = device_share(found, [math.prod(leaf.shape) for leaf in layout.leaves],
-                                  self.fraction)
-            return device, grouping.owned(device)
+    def read(self, field: str, state):
+        """A hosted field of `state` ("master" or "opt_state"), with a pending update applied,
+        on the devices' mesh in device memory: what `Engine.params` and `optimizer_state`
+        read, as without offload."""
+        value = self.applied(state)[HOSTED.index(field)] if self.k is not None else \
+            getattr(state, field)
+        homes = getattr(self.engine.view_shardings(), field)
+        return self.to_devices(value, jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                                   homes))
 
-        return self._cached("split", build)
+    def evaluated(self, state):
+        """What `Engine.evaluate` reads of `state`: the devices' part, with a pending update
+        applied to its compute params."""
+        if self.k is not None:
+            state = state._replace(compute=self.applied_compute(state))
+        return self.device_part(state)
 
-    def on_devices(self, field: str) -> frozenset[int]:
-        """The indices of `field`'s leaves (master, opt_state or pending) that Twin-Flow keeps
-        on the devices; a pending update's gradient leaves come first, as the master's."""
-        device, state = self.split()
-        return state if field == "opt_state" else device
-
-    def by_home(self, field: str, tree, host, device):
-        """`tree` (a field's leaves or specs) with `host(x)` for each leaf that lives on the
-        host mesh and `device(x)` for each that Twin-Flow keeps on the devices."""
-        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, P))
-        on = self.on_devices(field)
-        return jax.tree.unflatten(treedef, [device(x) if i in on else host(x)
-                                            for i, x in enumerate(leaves)])
-
-    def homes(self, field: str, specs):
-        """NamedShardings of a hosted field's specs: the host mesh, or Twin-Flow's devices."""
-        if specs is None:
-            return None
-        return self.by_home(field, specs, lambda s: NamedSharding(self.mesh, s),
-                            lambda s: NamedSharding(self.engine.mesh, s))
-
-    def hosted(self, state) -> tuple:
-        """(master, optimizer state, pending update) of `state` with the leaves Twin-Flow
-        keeps on the devices as None: what lives on the host mesh."""
-        return tuple(None if getattr(state, f) is None else
-                     self.by_home(f, getattr(state, f), lambda x: x, lambda x: None)
-                     for f in HOSTED)
-
-    @staticmethod
-    def device_part(state):
-        """`state` without what lives on the host mesh."""
-        return state._replace(master=None, opt_state=None, pending=None)
+    # ------------------------------------------------------------ the state, built
 
     def built(self, build, args, homes):
         """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
@@ -248,24 +204,10 @@ class HostOffload(HostPrograms, HostMoves):
         return eng.layout.unflatten(jax.device_put(list(shards),
                                                    jax.tree.leaves(eng.state_shardings().compute)))
 
-    def _store(self, grads, scalars) -> Pending:
-        """The step's reduced gradient (on the host mesh; Twin-Flow's leaves on the devices')
-        as the pending update, as it arrived: a skipped step's (`ok` False) is never read, the
-        update's skip being a branch."""
-        denom, norm, finite, value = self._host_scalars(scalars)
-        ok = jax.device_put(jnp.ones((), jnp.bool_), NamedSharding(self.mesh, P())) \
-            if finite is None else finite
-        homes = jax.tree.leaves(self.engine.state_shardings().pending.grads)
-        leaves = jax.device_put(jax.tree.leaves(grads), homes)  # each where it is, as a rule
-        return Pending(jax.tree.unflatten(jax.tree.structure(grads), leaves), denom, norm, ok,
-                       value)
-
-    # ------------------------------------------------------------ running them
-
     def _update(self, reduced, state, donate: bool, send: bool = False):
         """(master, optimizer state, compute-dtype shards, {"lr"?}) of the update of `reduced`;
         `send` (a step's): where the host mesh is apart from the devices' (a GPU's host) and
-        `runs` (`parts.RUNS`) > 1, a fused update runs in about `runs` parts, and each part's
+        `runs` (`side_by_side.RUNS`) > 1, a fused update runs in about `runs` parts, and each part's
         shards are put on the devices as it ends (`Sending`), while the next part updates."""
         grads, *scalars = reduced
         # The gradient's buffer takes the shards where their dtypes agree.
@@ -283,10 +225,10 @@ class HostOffload(HostPrograms, HostMoves):
         return fn(self._host_scalars(scalars), state.master, state.opt_state, grads)
 
     def _parted(self, scalars, state, grads, donate: bool, same: bool, send: bool = False):
-        """`_update` as its parts (parts.py): Twin-Flow's on the devices first, then the host's,
-        side by side, each dispatched from a thread of its own (`SideBySide`); with `send`
-        (a fused pass's), the host's in turn, the largest first, each one's shards put on the
-        devices as it ends (`Sending`)."""
+        """`_update` as its parts (update/parts.py): Twin-Flow's on the devices first, then the
+        host's, side by side, each dispatched from a thread of its own (`SideBySide`); with
+        `send` (a fused pass's), the host's in turn, the largest first, each one's shards put on
+        the devices as it ends (`Sending`)."""
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         g = jax.tree.leaves(grads)
         finite = scalars[2] is not None
@@ -325,67 +267,6 @@ class HostOffload(HostPrograms, HostMoves):
         lr = learning_rate(new_opt)
         return (jax.tree.unflatten(jax.tree.structure(state.master), new_master), new_opt,
                 shards, {} if lr is None else {"lr": lr})
-
-    def applied(self, state):
-        """(master, optimizer state, compute-dtype shards) with the pending update applied
-        (nothing is donated)."""
-        return self._update(tuple(state.pending), state, False)[:3]
-
-    def applied_compute(self, state):
-        """The compute params with the pending update applied (for evaluate)."""
-        shards = self.up(self.applied(state)[2])
-        return self._compute_of(shards, state.compute, donate=False)
-
-    def settled(self, state):
-        """`state` with the pending update applied to its master and optimizer state, its
-        compute params (those the next step runs on) as they are, and `pending` None: what a
-        checkpoint holds."""
-        master, opt_state, _ = self.applied(state)
-        return state._replace(master=master, opt_state=opt_state, pending=None)
-
-    def _delays(self, state) -> bool:
-        """Whether the state's next step is a delayed one (its step >= K - 1)."""
-        if self.k is None:
-            return False
-        ref, n = self._last
-        if ref() is not state.step:
-            n = int(state.step)  # once after init or restore: nothing queued
-        self._last = (ref, n)
-        return n >= self.k - 1
-
-    def _beside(self, pending, state) -> Future:
-        """The update of `pending` (`_update`, donating), called from a thread of its own, so
-        the caller goes on to dispatch the devices' programs whether or not XLA:CPU runs the
-        update inline (a fused pass's program it does: the call returns when the host is
-        done). The first call is the caller's own, as SideBySide's: it traces and compiles
-        under the caller's jax context, and its errors are the caller's; so is every call
-        where `_apart` says the update cannot run beside the devices' programs (and then no
-        thread is made)."""
-        apart = self._apart(state)  # (read before the update donates the state)
-        if self._thread is None or not apart:
-            done = Future()
-            done.set_result(self._update(pending, state, True, send=True))
-            if self._thread is None and apart:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerojax-delayed-update")
-            return done
-        return self._thread.submit(self._update, pending, state, True, True)
-
-    def _apart(self, state) -> bool:
-        """Whether the delayed update may run beside the gradients program: always where the
-        host mesh is another client's (an accelerator's host); where both meshes are CPU
-        devices of one client only if no program of the update waits for every device (a
-        collective over several, as SideBySide keeps such programs in turn: two of them side
-        by side, with the gradients program's, could each hold the threads the other's
-        devices wait for). With Twin-Flow there, the devices' share runs on the client's
-        threads too: in turn."""
-        def build():
-            if self._crosses or self.mesh.size == 1:
-                return True
-            if self.split()[0]:
-                return False
-            return not holds_collective(self.lower_update(state))
-
-        return self._cached("apart", build)
 
     def step(self, state, batch):
         """One offloaded step; donates `state`."""

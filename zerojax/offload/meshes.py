@@ -1,10 +1,11 @@
-"""Where ZeRO-Offload's state lives: memory spaces, and the host mesh.
+"""Where ZeRO-Offload's state lives: the host mesh, and programs over arrays on two meshes.
 
 The fp32 master and the optimizer state of `offload="optimizer"` live on the *host mesh*: a
 CPU device of the host for each device of the mesh, in the mesh's shape and axis names, so
 that a leaf keeps its PartitionSpec and each device's shard has a host twin. The CPU backend
 runs the update there (host.py): donated, so in place, and one partition per CPU device. On
-a machine whose mesh is already of CPU devices the host mesh is the mesh itself.
+a machine whose mesh is already of CPU devices the host mesh is the mesh itself. (The memory
+spaces a step's program moves a value between are step.py's: `HOST`, `DEVICE`.)
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError
 from zerojax.update.parts import runs
-
-HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-def to_memory(tree, space):
-    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
 def host_mesh(mesh: Mesh) -> Mesh:

@@ -1,17 +1,13 @@
-"""Named optimizers for the command line (`train`, `measure`, `plan`, `estimate --optimizer`),
-and the bytes of optimizer state any optax optimizer allocates, read from its `init`.
+"""Named optimizers for the command line (`train`, `measure`, `plan`, `estimate --optimizer`).
 
 Every preset takes one learning rate (a float or a schedule), one weight decay and one decay
 mask, so `--lr` and `--weight-decay` mean the same for all of them; the other hyperparameters
-are fixed here (`HELP` says which). The memory accounting reads an optimizer's state from
-`jax.eval_shape(optimizer.init, params)` on abstract params, so it holds for any optimizer, not
-only these.
+are fixed here (`HELP` says which). The bytes of state any optax optimizer allocates, these
+or others, are `analysis.measurement.state_size`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +15,7 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from zerojax.update.fused import adamw
+from zerojax.offload.fused import adamw
 
 OPTIMIZERS = ("adamw", "lion", "adafactor", "muon", "lamb", "sgd")
 
@@ -100,7 +96,7 @@ def build(name: str, learning_rate, *, weight_decay: float = 0.0, decay: Rule = 
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     mask = by_leaf(decay)
     if name == "adamw":
-        # optax.adamw, which an offloaded engine runs as one fused pass (fused.py)
+        # optax.adamw, which an offloaded engine runs as one fused pass (offload/fused.py)
         return adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=mask)
     if name == "lion":
         return optax.lion(learning_rate, b1=0.9, b2=0.99, weight_decay=weight_decay, mask=mask)
@@ -122,31 +118,4 @@ def build(name: str, learning_rate, *, weight_decay: float = 0.0, decay: Rule = 
                        optax.sgd(learning_rate, momentum=0.9))
 
 
-@dataclasses.dataclass(frozen=True)
-class StateSize:
-    """The optimizer state `init` allocates for some params, in bytes (master copy excluded)."""
-
-    total: int  # every leaf
-    scalars: int  # 0-d leaves: step counts, hyperparameters; they do not grow with the model
-    num_params: int
-
-    @property
-    def per_param(self) -> float:
-        """Bytes per parameter of the state that grows with the model (scalars left out):
-        the K of the ZeRO paper's accounting without the fp32 master (Adam: 8)."""
-        return (self.total - self.scalars) / self.num_params if self.num_params else 0.0
-
-
-def state_size(optimizer: optax.GradientTransformation, params) -> StateSize:
-    """The bytes of `optimizer.init(params)` for `params` (arrays or `ShapeDtypeStruct`s),
-    from shapes alone: nothing is allocated."""
-    state = jax.eval_shape(optimizer.init, params)
-    leaves = jax.tree.leaves(state)
-    nbytes = lambda x: math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
-    return StateSize(total=sum(nbytes(x) for x in leaves),
-                     scalars=sum(nbytes(x) for x in leaves if not x.shape),
-                     num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
-
-
-__all__ = ["HELP", "OPTIMIZERS", "STATE", "TITLE", "StateSize", "build", "by_leaf", "gpt_decay",
-           "gpt_matrix", "state_size"]
+__all__ = ["HELP", "OPTIMIZERS", "STATE", "TITLE", "build", "by_leaf", "gpt_decay", "gpt_matrix"]
