@@ -1,0 +1,1 @@
+"""The offload tiers below the device: host memory and NVMe (ZeRO-Offload, ZeRO-Infinity)."""
