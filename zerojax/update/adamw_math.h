@@ -28,8 +28,9 @@ template <> inline _Float16 Store<_Float16>(float f) { return static_cast<_Float
 template <> inline BF16 Store<BF16>(float f) {  // round to nearest even; a NaN stays quiet
   uint32_t b;
   std::memcpy(&b, &f, 4);
-  if (std::isnan(f)) return BF16{uint16_t((b >> 16) | 0x40u)};
-  return BF16{uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16)};
+  const uint16_t quiet = uint16_t((b >> 16) | 0x40u);
+  const uint16_t rounded = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  return BF16{std::isnan(f) ? quiet : rounded};  // a select, not a branch: the loop vectorizes
 }
 
 // The step's scalars, in the order fused.py stacks them. a1 = 1 - b1 and a2 = 1 - b2 as optax
@@ -40,14 +41,11 @@ template <> inline BF16 Store<BF16>(float f) {  // round to nearest even; a NaN 
 struct Step { float a1, b1, a2, b2, eps, eps_root, r1, r2, wd, decay, lr, scale, ok; };
 constexpr int64_t kScalars = 13;
 
-template <typename G, typename O>
-void Block(const Step& s, float* __restrict p, float* __restrict m, float* __restrict v,
-           const G* g, O* c, int64_t lo, int64_t hi) {  // g and c may be one buffer
-  if (s.ok == 0.0f) {
-    for (int64_t i = lo; i < hi; ++i) c[i] = Store<O>(p[i]);
-    return;
-  }
-  const bool decay = s.decay != 0.0f;
+// The update of elements [lo, hi); the weight decay (a leaf's mask) a template argument, so
+// the loop has no branch and vectorizes.
+template <bool kDecay, typename G, typename O>
+void Elements(const Step& s, float* __restrict p, float* __restrict m, float* __restrict v,
+              const G* g, O* c, int64_t lo, int64_t hi) {  // g and c may be one buffer
   for (int64_t i = lo; i < hi; ++i) {
     const float gi = Load(g[i]) * s.scale;
     const float mm = s.a1 * gi + s.b1 * m[i];
@@ -55,10 +53,22 @@ void Block(const Step& s, float* __restrict p, float* __restrict m, float* __res
     m[i] = mm;
     v[i] = vv;
     float u = (mm * s.r1) / (std::sqrt(vv * s.r2 + s.eps_root) + s.eps);
-    if (decay) u = u + s.wd * p[i];
+    if constexpr (kDecay) u = u + s.wd * p[i];
     const float pp = p[i] + s.lr * u;
     p[i] = pp;
     c[i] = Store<O>(pp);
+  }
+}
+
+template <typename G, typename O>
+void Block(const Step& s, float* __restrict p, float* __restrict m, float* __restrict v,
+           const G* g, O* c, int64_t lo, int64_t hi) {  // g and c may be one buffer
+  if (s.ok == 0.0f) {
+    for (int64_t i = lo; i < hi; ++i) c[i] = Store<O>(p[i]);
+  } else if (s.decay != 0.0f) {
+    Elements<true>(s, p, m, v, g, c, lo, hi);
+  } else {
+    Elements<false>(s, p, m, v, g, c, lo, hi);
   }
 }
 
