@@ -151,7 +151,8 @@ class Store:
         in them yet); on failure nothing of the store is left but the lock."""
         need = self.bytes
         try:
-            free = shutil.disk_usage(self.path).free
+            usage = shutil.disk_usage(self.path)
+            free = usage.free if usage.total else None  # ramfs tells no size: fallocate will
         except OSError:
             free = None
         if free is not None and free < need:
