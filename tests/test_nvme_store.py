@@ -116,6 +116,34 @@ def test_the_streamed_pass_is_the_fused_pass_bitwise(tmp_path, gdtype, out, coun
     assert np.abs(state[1][0] - first[1][0]).max() > 1e-4  # the steps moved the master
 
 
+@pytest.mark.parametrize("ok", [1.0, 0.0])
+def test_a_dry_pass_gives_the_updated_state_and_writes_nothing(tmp_path, ok):
+    """`dry=` "master", "mu", "nu" (a pending update applied for a read, still pending): the
+    fused pass's new master (in f32 and bf16) and moments, bitwise, with the store unchanged
+    and nothing written; a skipped step's gives the state as it is. A leaf of no elements
+    (Twin-Flow's leaves that stay on the devices) passes through."""
+    (p, m, v), = _state([5000])
+    store = Store(tmp_path / "s", "run", {0: [0, 5000]}, block=BLOCK, count=3)
+    store.write_leaf(0, 1, p, m, v)
+    g = jnp.asarray(np.random.default_rng(4).standard_normal(5000).astype(np.float32))
+    row = _row(ok=ok)
+    ref = _fused_pass(row, *map(jnp.asarray, (p, m, v)), g)
+    store.counters(reset=True)
+    dry = jax.jit(lambda g, part, out: nvme.update_leaf(store.handle, 1, row, jnp.int32(0), g,
+                                                        out, dry=part), static_argnums=(1, 2))
+    for j, part in enumerate(("master", "mu", "nu")):
+        assert_bitwise(dry(g, part, jnp.float32), ref[j])
+    assert_bitwise(dry(g, "master", jnp.bfloat16), ref[0].astype(jnp.bfloat16))
+    got = store.counters()
+    assert got["written"] == 0 and got["read"] == (12 if ok else 4) * 20480
+    for part, x in zip(("master", "mu", "nu"), (p, m, v)):
+        assert_bitwise(store.read_leaf(0, 1, part), x)
+    if ok:
+        assert np.abs(np.asarray(ref[0]) - p).max() > 1e-4
+    empty = nvme.update_leaf(store.handle, 0, row, jnp.int32(0), jnp.ones(0), jnp.float32)
+    assert empty.shape == (0,)
+
+
 def test_streamed_adamw_on_a_host_mesh_is_fused_adamw(tmp_path):
     """`StreamedAdamW` (the tier's update as the host program will run it: in a shard_map
     over CPU devices, the shard index from `axis_index`) against `FusedAdamW` over in-memory

@@ -70,15 +70,21 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     return dll, ""
 
 
-def update_leaf(handle: int, leaf: int, row, shard, grad, out_dtype):
+def update_leaf(handle: int, leaf: int, row, shard, grad, out_dtype, dry: str | None = None):
     """The compute-dtype shard of one leaf's streamed update (the store's master and moments
     updated in place on disk): `row` the step's float32[13] (`FusedAdamW._rows`), `shard` the
-    device's shard index (int32 []), `grad` its gradient shard (f32, bf16 or f16, flat or not)."""
+    device's shard index (int32 []), `grad` its gradient shard (f32, bf16 or f16, flat or not).
+
+    `dry` "master", "mu" or "nu": the store is only read, and out comes that part of the state
+    as the update would leave it (the master in `out_dtype`, a moment in float32): the params
+    or optimizer state with a pending update applied, the update still pending."""
     out = jnp.dtype(out_dtype)
+    part = -1 if dry is None else ("master", "mu", "nu").index(dry)
+    aliases = {2: 0} if grad.dtype == out and dry is None else {}
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(grad.shape, out), has_side_effect=True,
-                            input_output_aliases={2: 0} if grad.dtype == out else {})
+                            input_output_aliases=aliases)
     return call(row, jnp.asarray(shard, jnp.int32), grad, store=np.int64(handle),
-                leaf=np.int64(leaf))
+                leaf=np.int64(leaf), part=np.int64(part))
 
 
 class StreamedAdamW(fused.FusedAdamW):

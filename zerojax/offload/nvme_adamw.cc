@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "adamw_math.h"
@@ -156,18 +157,23 @@ struct Pipe {
   }
 };
 
+// One leaf's pass. `part` -1: the update, written back, out the compute shard `c`; 0, 1 or 2:
+// a dry pass (nothing written) giving the updated master (in O), mu or nu (float32) in `c`:
+// what the state would be, for a read of the state with a pending update applied.
 template <typename G, typename O>
 ffi::Error Pass(StoreObj& st, Shard& sh, const Leaf& leaf, const Step& s, const void* gv,
-                void* cv) {
+                void* cv, int64_t part) {
   std::lock_guard<std::mutex> hold(sh.busy);
   const int64_t B = st.block.load(), count = st.count.load(), n = leaf.n;
   const int64_t blocks = (n + B - 1) / B;
-  const bool skip = s.ok == 0.0f;  // only the master is read: the shard of it is the output
-  const int parts = skip ? 1 : 3;
+  const bool skip = s.ok == 0.0f, dry = part >= 0, writes = !dry && !skip;
+  bool reads[3] = {true, true, true};  // a skipped step reads only what it gives out
+  if (skip) reads[0] = reads[1] = reads[2] = false, reads[dry ? part : 0] = true;
   if (int64_t(sh.ring.size()) != count) sh.ring = std::vector<Buffer>(count);
   for (auto& b : sh.ring)
     if (!b.Fit(3 * B)) return ffi::Error::Internal("zerojax NVMe store: out of host memory "
                                                    "for the I/O buffers");
+  std::vector<float> scratch(dry && part > 0 && !skip ? B : 0);  // the master's, not given out
   const G* g = static_cast<const G*>(gv);
   O* c = static_cast<O*>(cv);
   Counters& ctr = st.counters;
@@ -181,7 +187,8 @@ ffi::Error Pass(StoreObj& st, Shard& sh, const Leaf& leaf, const Step& s, const 
       if (!go) return;
       char* buf = reinterpret_cast<char*>(sh.ring[b % count].data);
       const int64_t bytes = Up(len(b) * 4);
-      for (int j = 0; j < parts; ++j) {
+      for (int j = 0; j < 3; ++j) {
+        if (!reads[j]) continue;
         const int e = Transfer(sh, write, buf + j * B * 4, bytes, leaf.at[j] + b * B * 4, ctr);
         if (e) return pipe.Fail(e, write ? "a write" : "a read");
       }
@@ -190,20 +197,25 @@ ffi::Error Pass(StoreObj& st, Shard& sh, const Leaf& leaf, const Step& s, const 
   };
   std::thread reader(io, false);
   std::thread writer;
-  if (!skip) writer = std::thread(io, true);
+  if (writes) writer = std::thread(io, true);
   for (int64_t b = 0; b < blocks; ++b) {
     const double t0 = Now();
     if (!pipe.Wait([&] { return pipe.read > b; })) break;
     const double t1 = Now();
     float* p = sh.ring[b % count].data;
     const int64_t lo = b * B, k = len(b);
-    Block<G, O>(s, p, p + B, p + 2 * B, g + lo, c + lo, 0, k);
-    if (!skip && k % kUnit)  // the padding written with the last block: zeros, not stale data
+    if (part <= 0) {
+      Block<G, O>(s, p, p + B, p + 2 * B, g + lo, c + lo, 0, k);
+    } else if constexpr (std::is_same_v<O, float>) {  // the moment `part`, updated
+      if (!skip) Block<G, float>(s, p, p + B, p + 2 * B, g + lo, scratch.data(), 0, k);
+      std::memcpy(c + lo, p + part * B, k * 4);
+    }
+    if (writes && k % kUnit)  // the padding written with the last block: zeros, not stale data
       for (int j = 0; j < 3; ++j) std::fill(p + j * B + k, p + j * B + (k + kUnit - 1) / kUnit
                                                                        * kUnit, 0.0f);
     ctr.stall_ns += int64_t((t1 - t0) * 1e9);
     ctr.compute_ns += int64_t((Now() - t1) * 1e9);
-    if (skip) {
+    if (!writes) {
       std::lock_guard<std::mutex> l(pipe.mu);  // nothing to write: the buffer is free again
       ++pipe.computed, ++pipe.written;
       pipe.cv.notify_all();
@@ -220,19 +232,22 @@ ffi::Error Pass(StoreObj& st, Shard& sh, const Leaf& leaf, const Step& s, const 
 
 template <typename G>
 ffi::Error ByOut(ffi::DataType out, StoreObj& st, Shard& sh, const Leaf& leaf, const Step& s,
-                 const void* g, void* c) {
+                 const void* g, void* c, int64_t part) {
+  if (part > 0 && out != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("a moment's dry pass gives float32");
   switch (out) {
-    case ffi::DataType::F32: return Pass<G, float>(st, sh, leaf, s, g, c);
-    case ffi::DataType::BF16: return Pass<G, BF16>(st, sh, leaf, s, g, c);
-    case ffi::DataType::F16: return Pass<G, _Float16>(st, sh, leaf, s, g, c);
+    case ffi::DataType::F32: return Pass<G, float>(st, sh, leaf, s, g, c, part);
+    case ffi::DataType::BF16: return Pass<G, BF16>(st, sh, leaf, s, g, c, part);
+    case ffi::DataType::F16: return Pass<G, _Float16>(st, sh, leaf, s, g, c, part);
     default: return ffi::Error::InvalidArgument("compute shard: f32, bf16 or f16");
   }
 }
 
-ffi::Error NvmeAdamW(int64_t store, int64_t leaf, ffi::Buffer<ffi::F32> scalars,
-                     ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer grad,
-                     ffi::Result<ffi::AnyBuffer> compute) {
+ffi::Error NvmeAdamW(int64_t store, int64_t leaf, int64_t part,
+                     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> shard,
+                     ffi::AnyBuffer grad, ffi::Result<ffi::AnyBuffer> compute) {
   if (scalars.element_count() != kScalars) return ffi::Error::InvalidArgument("13 scalars");
+  if (part < -1 || part > 2) return ffi::Error::InvalidArgument("part: -1, 0, 1 or 2");
   auto st = Find(store);
   if (!st) return ffi::Error::InvalidArgument(
       "zerojax NVMe store " + std::to_string(store) + " is not open in this process (closed, "
@@ -258,9 +273,9 @@ ffi::Error NvmeAdamW(int64_t store, int64_t leaf, ffi::Buffer<ffi::F32> scalars,
   void* c = compute->untyped_data();
   const ffi::DataType out = compute->element_type();
   switch (grad.element_type()) {
-    case ffi::DataType::F32: return ByOut<float>(out, *st, sh, lf, s, g, c);
-    case ffi::DataType::BF16: return ByOut<BF16>(out, *st, sh, lf, s, g, c);
-    case ffi::DataType::F16: return ByOut<_Float16>(out, *st, sh, lf, s, g, c);
+    case ffi::DataType::F32: return ByOut<float>(out, *st, sh, lf, s, g, c, part);
+    case ffi::DataType::BF16: return ByOut<BF16>(out, *st, sh, lf, s, g, c, part);
+    case ffi::DataType::F16: return ByOut<_Float16>(out, *st, sh, lf, s, g, c, part);
     default: return ffi::Error::InvalidArgument("gradient: f32, bf16 or f16");
   }
 }
@@ -277,6 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerojaxAdamWNvme, NvmeAdamW,
                               ffi::Ffi::Bind()
                                   .Attr<int64_t>("store")         // nvme.py's handle
                                   .Attr<int64_t>("leaf")          // the leaf's index
+                                  .Attr<int64_t>("part")          // -1, or a dry pass's
                                   .Arg<ffi::Buffer<ffi::F32>>()   // the step's scalars
                                   .Arg<ffi::Buffer<ffi::S32>>()   // the device's shard index
                                   .Arg<ffi::AnyBuffer>()          // gradient
