@@ -47,7 +47,7 @@ def disk(path: Path, size: int, block: int) -> dict:
     """{"write", "read"}: bytes per second of one sequential O_DIRECT pass over a file of
     `size` bytes (preallocated, as a store's file is) in `block`-byte transfers; the file is
     removed after."""
-    size = size // block * block
+    size = max(size // block, 1) * block
     buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
     buf.write(np.random.default_rng(0).bytes(block))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
     store = Store(where / "store", {"bench": sizes}, {0: sizes}, block=args.blocks[0],
                   count=args.counts[0])
     S = 12 * sum(sizes)
-    res = {"state_bytes": S, "io": store.io[0], "disk": [], "points": []}
+    res = {"state_bytes": S, "store_bytes": store.bytes, "io": store.io[0], "disk": [],
+           "points": []}
     try:
         t = time.perf_counter()
         store.begin()

@@ -7,7 +7,9 @@ import ctypes
 import json
 import os
 import subprocess
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,8 @@ from zerojax.offload.store import LOCK, META, Store, layout, shard_file
 from zerojax.update import fused
 from zerojax.update.fused import FusedAdamW, spec_of
 
+ROOT = Path(__file__).parents[1]
+sys.path[:0] = [str(ROOT / "experiments"), str(ROOT / "scripts")]
 BLOCK = 2048  # the ring's buffers in these tests: a leaf of 5000 elements is 3 of them
 ROW = dict(a1=0.1, b1=0.9, a2=0.05, b2=0.95, eps=1e-8, eps_root=1e-12, r1=1 / (1 - 0.9**3),
            r2=1 / (1 - 0.95**3), wd=0.05, decay=1.0, lr=-3e-3, scale=0.7, ok=1.0)
@@ -378,3 +382,58 @@ def test_the_pass_has_a_side_effect_xla_keeps():
                                              jnp.float32), 0][1])
     text = fn.lower(jnp.ones(4, jnp.float32)).as_text()
     assert f'custom_call @{nvme.TARGET}' in text and "has_side_effect = true" in text
+
+
+def test_the_bench_reads_and_writes_the_state_once_a_step(tmp_path):
+    """experiments/nvme_bench.py on a 3 MB state of two leaves, two buffer sizes: each step
+    read and wrote the store's bytes once (the state, with each leaf's last 4 KiB unit
+    whole), and the disk was measured before each point."""
+    import nvme_bench
+
+    res = nvme_bench.main(["--dir", str(tmp_path), "--state-gb", "0.003", "--leaves", "2",
+                           "--blocks", "1024", "4096", "--counts", "2", "--steps", "2"])
+    sizes = [124928, 124928 + 777]
+    assert res["state_bytes"] == 12 * sum(sizes) and res["store_bytes"] == layout(sizes)[1]
+    assert [(p["block"], p["count"]) for p in res["points"]] == [(1024, 2)] * 2 + [(4096, 2)] * 2
+    for p in res["points"]:
+        assert (p["read"], p["written"], p["passes"]) == (res["store_bytes"],) * 2 + (2,)
+        assert p["seconds"] > 0 and p["serial"] > 0
+    assert len(res["disk"]) == 2 and all(d["read"] > 0 and d["write"] > 0 for d in res["disk"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # the disk's file removed
+
+
+def test_memcap_reports_the_peak_and_the_caps_kill():
+    """scripts/memcap.py: a process that touches 300 MB under a 150 MB cap is killed by the
+    cap, with a peak at the cap; one that touches 50 MB runs, with a peak of at least that."""
+    import memcap
+
+    why = memcap.available()
+    if why:
+        pytest.skip(why)
+    touch = lambda n: [sys.executable, "-c", f"x = b'x' * {n}; print(len(x))"]
+    big = memcap.run(touch(300_000_000), 150_000_000)
+    assert big.oom_killed and big.rc == -9 and 0.9 * big.cap <= big.peak <= big.cap
+    small = memcap.run(touch(50_000_000), 150_000_000)
+    assert (small.rc, small.oom_killed, small.stdout.strip()) == (0, False, "50000000")
+    assert 50_000_000 <= small.peak < small.cap
+
+
+@pytest.mark.slow
+def test_a_state_over_the_cap_streams_where_whole_it_is_killed():
+    """experiments/nvme_memcap.py: under a cap of 0.8 GB, the streamed update of a 1.2 GB
+    state (1.5x the cap) steps, reading and writing the store once, its peak under the cap;
+    the same state loaded whole for the in-memory fused pass is killed by the cap."""
+    import memcap
+    import nvme_memcap
+
+    why = memcap.available()
+    if why:
+        pytest.skip(why)
+    res = nvme_memcap.main(["--cap", "8e8", "--factor", "1.5", "--steps", "1"])
+    assert res["state_bytes"] >= 1.5 * res["cap"] - 12 * 4096 * 4
+    streamed, whole = res["streamed"], res["whole"]
+    assert streamed["rc"] == 0 and not streamed["oom_killed"] and streamed["peak"] < res["cap"]
+    step = json.loads(streamed["out"][-1])
+    sizes = nvme_memcap.sizes_for(1.5 * res["cap"])
+    assert step["read"] == step["written"] == layout(sizes)[1]
+    assert whole["oom_killed"] and whole["rc"] == -9 and res["holds"]
