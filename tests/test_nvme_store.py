@@ -343,7 +343,7 @@ def test_a_read_only_path_and_a_full_disk_are_one_error_each(tmp_path, monkeypat
     """A read-only file system, and one too small for the store (told by its free space, and
     when that misleads, by the preallocation): one StoreError each, naming the path, the
     bytes and the fix, and nothing of the store left. ramfs refuses O_DIRECT (tmpfs takes it
-    since Linux 6.6): the store runs buffered, says so, and the pass gives the same numbers."""
+    on recent kernels): the store runs buffered, says so, and the pass gives the same numbers."""
     with tmpfs(tmp_path / "ro", "ro,size=1M") as ro:
         with pytest.raises(StoreError, match=f"nvme_path {ro / 's'} is not writable \\(Read-only "
                                              "file system.*give nvme_path a writable") as e:

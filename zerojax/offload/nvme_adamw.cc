@@ -419,7 +419,9 @@ void zjn_close(int64_t store) {
     st = it->second;
     registry.erase(it);
   }
-  for (auto& [_, sh] : st->shards) std::lock_guard<std::mutex> hold(sh->busy);  // passes done
+  for (auto& [_, sh] : st->shards) {  // a pass or transfer under way ends first
+    std::lock_guard<std::mutex> hold(sh->busy);
+  }
 }
 
 }  // extern "C"

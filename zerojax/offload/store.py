@@ -346,7 +346,7 @@ class Store:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 (at interpreter exit the library may be gone)
+        except Exception:  # at interpreter exit the library may be gone
             pass
 
 
