@@ -7,7 +7,7 @@ from pathlib import Path
 import zerojax
 
 PKG = Path(zerojax.__file__).parent
-WINGS = ("adapters", "analysis", "app", "checkpoint", "models")
+WINGS = ("adapters", "analysis", "app", "checkpoint", "models", "offload")
 
 
 def _imports(path: Path, top_level: bool) -> set[str]:
