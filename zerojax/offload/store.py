@@ -360,7 +360,7 @@ def _check_block(block: int, count: int):
 
 
 def _flat(src, n: int):
-    flat = src.reshape(-1) if hasattr(src, "reshape") else np.asarray(src).reshape(-1)
+    flat = np.asarray(src).reshape(-1)  # a view: of a memmap's file, a CPU jax array's buffer
     if flat.shape[0] != n:
         raise ValueError(f"an array of {flat.shape[0]} elements for a leaf of {n}")
     return flat
