@@ -40,7 +40,7 @@ def adamw():
 
 def fused_adamw():
     """`adamw()` as zerojax.adamw: the same optimizer, which an offloaded engine runs as one
-    fused pass on the host (zerojax/update/fused.py)."""
+    fused pass on the host (zerojax/offload/fused.py)."""
     import zerojax as zj
 
     return zj.adamw(LR, weight_decay=WD, eps=1e-6)

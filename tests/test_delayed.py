@@ -115,7 +115,7 @@ RUNS = {"stage1": (2, dict(replica=2, data=2), dict(stage=1)),
         "axis": (1, dict(data=2, model=2), dict(stage=3))}
 
 
-# Runs whose host update is zerojax.adamw's fused pass (update/fused.py), the others optax's
+# Runs whose host update is zerojax.adamw's fused pass (offload/fused.py), the others optax's
 # program: the same reference for both, and the checkpoint test restores across the two.
 FUSED = {"stage3", "k0", "stage2", "axis"}
 

@@ -1,4 +1,4 @@
-"""The offloaded AdamW update as one fused pass (zerojax/update/fused.py): optax.adamw's numbers,
+"""The offloaded AdamW update as one fused pass (zerojax/offload/fused.py): optax.adamw's numbers,
 in place, with every feature of the offloaded step; and optax's own program where it cannot
 run."""
 

@@ -308,7 +308,7 @@ def test_offload_flag_parses_and_reaches_the_run(tmp_path, tokens64, capsys, mon
     assert train.main(argv) == 0
     out = capsys.readouterr().out
     assert "offload optimizer (host memory)" in out and "memory/host" in out
-    assert "one fused pass" in out  # the adamw preset's host update (update/fused.py)
+    assert "one fused pass" in out  # the adamw preset's host update (offload/fused.py)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["config"]["offload"] == "optimizer" and s["steps_done"] == 3
     assert s["host_update"] == "fused"

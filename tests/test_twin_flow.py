@@ -58,7 +58,7 @@ def test_a_share_stays_on_the_devices_with_single_device_optaxs_numbers(apart):
     offload's, the rest counted in the device peak."""
     mesh = zj.make_mesh(data=4, devices=apart)
     cfg = dict(stage=3, clip_norm=CLIP, offload="optimizer")
-    # the host's share as zerojax.adamw's fused pass (update/fused.py), the devices' as optax's
+    # the host's share as zerojax.adamw's fused pass (offload/fused.py), the devices' as optax's
     # program
     twin = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
                      zj.ZeroConfig(**cfg, offload_fraction=0.5))

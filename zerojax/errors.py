@@ -52,3 +52,14 @@ def short(x) -> str:
     """`x` as an error message quotes it: its repr, cut to 40 characters."""
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+class StoreError(ZeroError, OSError):
+    """An NVMe store (`nvme_path`) that cannot be used: one that belongs to another run or
+    shape, or is in use by another process, a directory holding other files, a read-only path
+    or a full disk; `errno` is the system's where one caused it (else None), `path` the store's
+    directory. Also an `OSError`."""
+
+    def __init__(self, message: str, path=None, errno: int | None = None):
+        super().__init__(message)
+        self.path, self.errno = path, errno

@@ -1,4 +1,4 @@
-"""ZeRO-Offload: the tiers below the device (host memory today), a wing of its own.
+"""ZeRO-Offload: the tiers below the device (host memory and NVMe), a wing of its own.
 
 `ZeroConfig(offload="optimizer")` keeps the fp32 master and the optimizer state on the host's
 CPU devices and runs the update there; the optimizer's arithmetic is update/'s (the same
@@ -12,5 +12,6 @@ per plan), moves.py (what a step moves between the meshes), side_by_side.py (the
 parts run side by side, each from a thread of its own), twin_flow.py (which leaves stay on the
 devices: Twin-Flow; where each hosted leaf lives), delayed.py (the delayed update: DPU),
 fused.py and fused_adamw.cc (`zerojax.adamw`: the host update as one fused pass per leaf,
-built at first use).
+built at first use), store.py, nvme.py and nvme_adamw.cc (the NVMe tier: the state in
+files, streamed through the same arithmetic, adamw_math.h).
 """

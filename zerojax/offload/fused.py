@@ -43,6 +43,7 @@ import optax
 from zerojax.update import grad_scale
 
 SOURCE = Path(__file__).with_name("fused_adamw.cc")
+HEADER = Path(__file__).with_name("adamw_math.h")  # the arithmetic, shared with the NVMe tier's
 TARGET = "zerojax_adamw"
 # No contraction into FMAs: optax's program, as XLA compiles it without fast math, rounds each
 # multiply and add (docs/performance.md: "A one-pass update").
@@ -108,15 +109,17 @@ def _cpu() -> str:
     return "\n".join(sorted({x for x in lines if x.split(":")[0].strip() in keep}))
 
 
-def build(cxx: str) -> tuple[Path | None, str]:
-    """(the fused pass's shared library, built with `cxx` for this CPU unless the cache has
-    it, or None and why not)."""
+def build(cxx: str, source: Path = SOURCE, stem: str = "fused-adamw"
+          ) -> tuple[Path | None, str]:
+    """(the shared library of `source` (the fused pass's; the NVMe tier's, which includes its
+    arithmetic too), built with `cxx` for this CPU unless the cache has it, or None and why
+    not)."""
     if shutil.which(cxx) is None:
-        return None, f"no C++ compiler ({cxx}) on PATH to build {SOURCE.name}"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jax.__version__, cxx, *FLAGS, _cpu()])
-                         .encode()).hexdigest()[:16]
+        return None, f"no C++ compiler ({cxx}) on PATH to build {source.name}"
+    key = hashlib.sha256("\0".join([source.read_text(), HEADER.read_text(), jax.__version__,
+                                    cxx, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
     for where in (cache_dir(), Path(tempfile.gettempdir()) / "zerojax"):
-        lib = where / f"fused-adamw-{key}.so"
+        lib = where / f"{stem}-{key}.so"
         if lib.exists():
             return lib, ""
         try:
@@ -124,12 +127,12 @@ def build(cxx: str) -> tuple[Path | None, str]:
         except OSError:
             continue
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # renamed when whole: no half library
-        made = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
-                               str(tmp)], capture_output=True, text=True)
+        made = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADER.parent}",
+                               str(source), "-o", str(tmp)], capture_output=True, text=True)
         if made.returncode:
             tmp.unlink(missing_ok=True)
             last = (made.stderr.strip().splitlines() or ["no output"])[-1]
-            return None, f"{cxx} could not build {SOURCE.name}: {last}"
+            return None, f"{cxx} could not build {source.name}: {last}"
         tmp.replace(lib)
         return lib, ""
     return None, f"no writable cache for the fused update's library ({cache_dir()})"
