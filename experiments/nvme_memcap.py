@@ -48,9 +48,8 @@ def child(mode: str, where: Path, sizes: list[int], steps: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from zerojax.offload import nvme
+    from zerojax.offload import fused, nvme
     from zerojax.offload.store import Store
-    from zerojax.offload import fused
 
     row = np.array([0.1, 0.9, 0.001, 0.999, 1e-8, 0.0, 10.0, 1000.0, 0.01, 1.0, -1e-4, 1.0,
                     1.0], np.float32)

@@ -21,10 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.errors import StoreError
-from zerojax.offload import nvme
-from zerojax.offload.store import LOCK, META, Store, layout, shard_file
-from zerojax.offload import fused
+from zerojax.offload import fused, nvme
 from zerojax.offload.fused import FusedAdamW, spec_of
+from zerojax.offload.store import LOCK, META, Store, layout, shard_file
 
 ROOT = Path(__file__).parents[1]
 sys.path[:0] = [str(ROOT / "experiments"), str(ROOT / "scripts")]
