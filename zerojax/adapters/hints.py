@@ -78,7 +78,7 @@ def model_axis() -> bool:
     return MODEL in jax.sharding.get_abstract_mesh().axis_names
 
 
-def _own(filename: str) -> bool:
+def own_code(filename: str) -> bool:
     """Whether `filename` is the model's own code (not jax's, flax's or zerojax's)."""
     return not filename.startswith(_LIBRARIES)
 
@@ -86,7 +86,7 @@ def _own(filename: str) -> bool:
 def _where(api: str) -> str:
     """`api` and the innermost frame of the model's own code that reached it."""
     f = sys._getframe(1)
-    while f is not None and not _own(f.f_code.co_filename):
+    while f is not None and not own_code(f.f_code.co_filename):
         f = f.f_back
     if f is None:
         return api
@@ -107,7 +107,7 @@ def foreign_axis_errors():
         m = _FOREIGN.search(str(e))
         if m is None:
             raise
-        own = [f for f in traceback.extract_tb(e.__traceback__) if _own(f.filename)]
+        own = [f for f in traceback.extract_tb(e.__traceback__) if own_code(f.filename)]
         at = f" at {os.path.basename(own[-1].filename)}:{own[-1].lineno} ({own[-1].name})" \
             if own else ""
         raise ModelError(

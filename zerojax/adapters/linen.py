@@ -25,13 +25,10 @@ from flax.core import axes_scan, meta
 
 from zerojax.adapters.axes import bound_axes, check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
-    Found,
     LaxWith,
     at_path,
     check_unit_classes,
     fresh_key,
-    pick_units,
-    placeholder,
     put_paths,
     scan_through,
     split_paths,
@@ -39,6 +36,8 @@ from zerojax.adapters.common import (
     training,
     unit_call,
 )
+from zerojax.adapters.discovery import Found, chosen, pick_units
+from zerojax.adapters.placeholders import Stand
 from zerojax.errors import ModelError
 
 
@@ -73,8 +72,10 @@ class LinenModel:
             raise ModelError(f"{type(module).__name__}.init(...) made no params; check "
                              f"sample_args, the arguments of one call of the module")
         self.state_cols = tuple(c for c in abstract if c != "params")
+        self.abstract = abstract["params"]
         if units is None:
             self.classes = pick_units(self._submodules(abstract), "from_linen")
+        self.note = chosen("from_linen", self.classes) if units is None else ""
         self.instances, self.stacks = self._find_units(abstract)
         if self.state_cols:
             self.init_state = self._init_state
@@ -138,12 +139,14 @@ class LinenModel:
         """Paths of the unit instances called directly, and of those stacked by `nn.scan`
         (with the stacked params' abstract values)."""
         found: dict[tuple, Any] = {}
+        self.unit_cls: dict[tuple, type] = {}
         depth = [0]
 
         def record(next_fun, args, kwargs, ctx):
             top = _is_unit(ctx.module, self.classes) and not depth[0]
             if top and ctx.module.path not in found:
                 found[ctx.module.path] = ctx.module.variables.get("params", {})
+                self.unit_cls[ctx.module.path] = type(ctx.module)
             depth[0] += top
             try:
                 return next_fun(*args, **kwargs)
@@ -216,13 +219,15 @@ class Apply:
         parts, root = split_paths(self.params, [*model.instances, *model.stacks])
         if jax.tree.leaves(root):
             root = units.gather(root)
-        placeholders = {}
+        # In place of a unit's params, stand-ins (placeholders.py): a unit's call gathers
+        # them, a read elsewhere gathers it there; flax's scan over a stack becomes units.scan.
+        stand = self._stand = Stand(units, "from_linen", model.note)
+        for path in model.instances:
+            parts[path] = stand.standins(at_path(model.abstract, path), parts[path], path,
+                                         model.unit_cls[path], False)
         for path in model.stacks:
-            # flax's scan over them becomes units.scan.
-            stand = jax.tree.map(placeholder, model.stacks[path])
-            for x, h in zip(jax.tree.leaves(stand), jax.tree.leaves(parts[path])):
-                placeholders[id(x)] = (x, h)
-            parts[path] = stand
+            parts[path] = stand.standins(model.stacks[path], parts[path], path,
+                                         model.unit_cls[path], True)
         variables = {"params": put_paths(root, parts)}
         state = units.state if model.state_cols else None
         variables.update(state or {})
@@ -230,16 +235,15 @@ class Apply:
             rngs = {"params": rngs}  # as module.apply takes one key
         rngs = {**self.fresh_rngs(), **(rngs or {})}
         self._streams = tuple(rngs)
-        used: set[int] = set()
-        with scan_through(units, placeholders, used, axes_scan, "lax", LaxWith), \
+        with scan_through(stand, axes_scan, "lax", LaxWith), \
                 nn.intercept_methods(self._intercept):
             out = model.module.apply(variables, *args, rngs=rngs, method=method,
                                      mutable=list(model.state_cols) or False, **kwargs)
-        if used != set(placeholders):
-            # Else the model computed on the placeholders.
-            raise ModelError("a unit stacked by nn.scan must take its params on axis 0, "
-                             "unmoved (variable_axes={'params': 0}); or leave its class out "
-                             "of units")
+        if not set(model.stacks) <= stand.scanned:
+            # Else the model computed on the stand-ins.
+            raise ModelError(f"a unit stacked by nn.scan must take its params on axis 0, "
+                             f"unmoved (variable_axes={{'params': 0}}); or leave its class out "
+                             f"of units{model.note}")
         if state is None:
             return out
         out, new = out
@@ -266,7 +270,14 @@ class Apply:
                 self._inside = False
             return out if mutable else (out, {})
 
-        out, new = unit_call(self.units, fn, m.variables["params"], args, kwargs, cols, rngs)
+        params = m.variables["params"]
+        values = jax.tree.leaves(params)
+        taken = dict(self._stand.take_call(values))
+        if len(taken) < len(values):  # no stand-ins of this unit: values flax computed
+            return next_fun(*args, **kwargs)
+        handles = jax.tree.unflatten(jax.tree.structure(params), [taken[i] for i in
+                                                                   range(len(values))])
+        out, new = unit_call(self.units, fn, handles, args, kwargs, cols, rngs)
         for c in mutable:
             for name, v in new[c].items():
                 m.put_variable(c, name, v)
