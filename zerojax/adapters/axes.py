@@ -165,8 +165,7 @@ def mesh_spec(names, rules, strict: str | None = None,
             raise ModelError(
                 f"{strict}'s {what} {tuple(names)} names the axis {a!r}, which "
                 f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; add "
-                f"the rule ({a!r}, {MODEL!r}) to logical_axis_rules= if it is a tensor-parallel "
-                f"dimension, ({a!r}, None) if not")
+                f"to logical_axis_rules= the rule {hints.rule_choices(a)}")
         return None
 
     out = []

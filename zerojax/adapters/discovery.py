@@ -52,9 +52,10 @@ def chosen(where: str, classes: tuple[type, ...]) -> str:
 def pick_units(found: list[Found], where: str) -> tuple[type, ...]:
     """The unit classes `where` chooses without `units=`: the classes of the stacked layers
     when a stack holds more params than any repeated block; else the model's own class,
-    repeated at least twice, whose instances outside every other repeated instance hold the
-    most params; else flax's layer class of that kind; else none (the whole model is one
-    unit). Logged on the "zerojax" logger."""
+    repeated at least twice, whose instances outside every other such instance hold the most
+    params; else flax's layer class of that kind; else none (the whole model is one unit).
+    `found` leaves out flax's containers (`nnx.List`, `nn.Sequential`: no params of their
+    own). Logged on the "zerojax" logger."""
     def reason(classes, why):
         names = ", ".join(c.__name__ for c in classes) or "none"
         LOG.info("%s: units=(%s) chosen: %s; pass units= to choose yourself (units=() for "
@@ -70,9 +71,9 @@ def pick_units(found: list[Found], where: str) -> tuple[type, ...]:
     for f in found:
         by_class.setdefault(f.cls, []).append(f)
     repeated = {c: fs for c, fs in by_class.items() if len(fs) >= 2}
-    every = [f for fs in repeated.values() for f in fs] + stacks
 
-    def best(classes):  # (params held by its outer instances, instances), class
+    def best(classes):  # ((params held by its outer instances, instances), class)
+        every = [f for c in classes for f in repeated[c]] + stacks
         held = {c: (sum(f.params for f in repeated[c] if not inside(f, every)),
                     len(repeated[c])) for c in classes}
         return max(((v, c) for c, v in held.items() if v[0]), default=None,
@@ -85,7 +86,7 @@ def pick_units(found: list[Found], where: str) -> tuple[type, ...]:
     if block is not None:
         (params, count), cls = block
         return reason((cls,), f"the model's block, {count} instances holding {params} params")
-    layer = best([c for c in repeated if not own(c)])
+    layer = best(list(repeated))
     if layer is not None:
         (params, count), cls = layer
         return reason((cls,), f"the layer repeated {count} times, holding {params} params")

@@ -74,6 +74,13 @@ _LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     os.path.abspath(contextlib.__file__))
 
 
+def rule_choices(name: str) -> str:
+    """The rules a name that nothing maps may need, as the docs give them."""
+    return (f"({name!r}, {MODEL!r}) if it is a tensor-parallel dimension, ({name!r}, {DATA!r}) "
+            f"if it shards over the batch devices (FSDP: ZeRO's own), ({name!r}, None) if not "
+            f"split")
+
+
 def model_axis() -> bool:
     return MODEL in jax.sharding.get_abstract_mesh().axis_names
 
@@ -139,8 +146,7 @@ def translate(spec, api: str, hints: Hints | None = None) -> P:
                 raise ModelError(
                     f"the sharding hint {spec} ({_where(api)}) names the axis {n!r}, which "
                     f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; "
-                    f"add the rule ({n!r}, {MODEL!r}) to {hints.adapter}(logical_axis_rules=...) "
-                    f"if it is a tensor-parallel dimension, ({n!r}, None) if not")
+                    f"add the rule {rule_choices(n)} to {hints.adapter}(logical_axis_rules=...)")
         kept.append(MODEL if MODEL in axes else None)
     while kept and kept[-1] is None:
         kept.pop()

@@ -36,7 +36,7 @@ from zerojax.adapters.common import (
     training,
     unit_call,
 )
-from zerojax.adapters.discovery import Found, chosen, pick_units
+from zerojax.adapters.discovery import Found, chosen, own, pick_units
 from zerojax.adapters.placeholders import Stand
 from zerojax.errors import ModelError
 
@@ -123,8 +123,11 @@ class LinenModel:
                                  map(jnp.shape, jax.tree.leaves(mine))))
                 stacked = bool(pairs) and pairs[0][0] != pairs[0][1]
                 # a stack scanned over another axis than 0 cannot be a unit (see Apply)
-                if pairs and (not stacked or all(f[1:] == s and f[0] == pairs[0][0][0]
-                                                 for f, s in pairs)):
+                container = not own(type(m)) and all(isinstance(v, dict) for v in mine.values())
+                if container:  # flax's nn.Sequential: no params of its own
+                    pass
+                elif pairs and (not stacked or all(f[1:] == s and f[0] == pairs[0][0][0]
+                                                   for f, s in pairs)):
                     seen[path] = Found(path, type(m), sum(int(np.prod(f)) for f, _ in pairs),
                                        stacked)
                 elif pairs:

@@ -256,7 +256,8 @@ def _submodules(module) -> list[Found]:
         if not path or not isinstance(node, nnx.Module):
             continue
         shapes = [jax.numpy.shape(x) for x in jax.tree.leaves(nnx.state(node, nnx.Param))]
-        if shapes:
+        direct = any(isinstance(v, nnx.Param) for v in vars(node).values())
+        if shapes and (direct or own(type(node))):  # not a container of flax's (nnx.List)
             out.append(Found(tuple(path), type(node), sum(int(np.prod(s)) for s in shapes),
                              own(type(node)) and is_stack(shapes)))
     return out
@@ -265,9 +266,11 @@ def _submodules(module) -> list[Found]:
 def _unpinned(x):
     """`x`, or a copy on one device when its type carries a sharding on an explicit-axes mesh
     (NNX's eager sharding under `jax.set_mesh`): the engine's init computes on the plain
-    array and lays it out over its own mesh."""
+    array and lays it out over its own mesh. An abstract one (`nnx.eval_shape`) loses it."""
     mesh = getattr(getattr(x, "sharding", None), "mesh", None)
     types = getattr(mesh, "axis_types", ())
+    if isinstance(x, jax.ShapeDtypeStruct) and jax.sharding.AxisType.Explicit in types:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
     if jax.sharding.AxisType.Explicit not in types or not x.is_fully_addressable:
         return x
     device = min(x.devices(), key=lambda d: d.id)
