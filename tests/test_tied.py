@@ -6,9 +6,9 @@ are refused in one line (docs/models.md, "Design notes"). The zoo (tied_models.p
 gemma's `ScaledEmbed` + `attend`, linen's `nn.Embed.attend`, a layer shared by two blocks)
 trains as single-device optax at every stage with and without a model axis, with the units
 chosen and named: losses within 1e-5 relative, params within 3e-5 of how far the reference
-moved them (`helpers.moved_error`; adamw at eps 1e-6; see MOVED). The bonsai shapes (bonsai_models.py)
-train with default `from_nnx` arguments from the plan their arrays carry, and without `units=`
-zerojax picks their block class.
+moved them (`helpers.moved_error`; adamw at eps 1e-6; see MOVED). The bonsai shapes
+(bonsai_models.py) train with default `from_nnx` arguments from the plan their arrays carry,
+and without `units=` zerojax picks their block class.
 """
 
 import functools

@@ -146,7 +146,7 @@ def translate(spec, api: str, hints: Hints | None = None) -> P:
                 raise ModelError(
                     f"the sharding hint {spec} ({_where(api)}) names the axis {n!r}, which "
                     f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; "
-                    f"add the rule {rule_choices(n)} to {hints.adapter}(logical_axis_rules=...)")
+                    f"add to {hints.adapter}(logical_axis_rules=...) the rule {rule_choices(n)}")
         kept.append(MODEL if MODEL in axes else None)
     while kept and kept[-1] is None:
         kept.pop()

@@ -1,11 +1,13 @@
 """`from_linen`: an unmodified Flax linen module as a zerojax model.
 
 Each `apply` runs `module.apply` with the root unit's params gathered and, in place of every
-unit's params, their handles, under `nn.intercept_methods`: a call of a unit instance gathers
-its handles and runs the instance as its own `apply`, both inside one rematerialized function
-(`common.unit_call`). A unit stacked by `nn.scan` gets zero-cost placeholders of its stacked
-shape instead; flax's scan loop over them (`flax.core.axes_scan`) is replaced, for that call
-only, by `units.scan`, which hands flax's layer body the gathered layer in their place.
+unit's params, stand-ins (`placeholders.Standin`: shapes, no values), under
+`nn.intercept_methods`: a call of any method of a unit instance (`attend` as `__call__`)
+gathers its params and runs the instance as its own `apply`, both inside one rematerialized
+function (`common.unit_call`); a read of them anywhere else is gathered there. A unit stacked
+by `nn.scan` gets stand-ins of its stacked shape that only its scan takes; flax's scan loop
+over them (`flax.core.axes_scan`) is replaced, for that call only, by `units.scan`, which hands
+flax's layer body the gathered layer in their place.
 
 Params boxed with sharding hints (`nn.with_partitioning`, `nn.with_logical_partitioning`) are
 trained as plain arrays, which linen's `apply` takes as it takes its boxes; `merge` boxes them
@@ -332,9 +334,9 @@ def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, unit
     module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s; `sample_kwargs={"train":
     False}` for a required keyword-only flag). Every instance of a class in `units` is one
     ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining params form one
-    root unit. Without `units=` the repeated blocks are found (`common.pick_units`: the
-    `nn.scan` stacks, else the model's own class with the most instances) and logged on the
-    "zerojax" logger; `units=()` makes the whole model one unit.
+    root unit. Without `units=` the model's layer class is found (`discovery.pick_units`: the
+    `nn.scan` stacks', else the model's own repeated class whose instances hold the most
+    params) and logged on the "zerojax" logger; `units=()` makes the whole model one unit.
     `batch_axis`: the axis name the model's own collectives give the batch (e.g.
     `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
     `logical_axis_rules`: flax's rules for the logical names of `nn.with_logical_partitioning`

@@ -3,9 +3,11 @@
 The module is split once into its graph, its `nnx.Param`s (the trained params), its RNG
 streams and the rest (the model state: BatchNorm statistics and other non-trained
 variables). Every step rebuilds the module functionally (`nnx.merge`) with the root unit's
-params gathered, fresh keys from `units.rng()` and the state from `units.state`. Each
-instance of a unit class keeps parameter handles until its `__call__`, which gathers them
-and runs the instance, both inside one rematerialized function (`common.unit_call`).
+params gathered, fresh keys from `units.rng()` and the state from `units.state`. A unit
+instance holds the root's gather of its params (`placeholders.Stand.gathered`: a read of them
+outside the unit, a tied head's `attend`, computes on the right values); its `__call__`
+gathers its own and runs the instance, both inside one rematerialized function
+(`common.unit_call`). A stack (`nnx.vmap`'s layers) holds stand-ins only `nnx.scan` takes.
 
 `loss_fn(model, batch, rngs)` gets an `nnx.Rngs` of the step's keys (by keyword, to a
 parameter named `rngs` only) for call-time dropout (`model(x, rngs=rngs)`). Params laid out
@@ -323,10 +325,13 @@ def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=None, rngs=(
     """A zerojax model from an NNX module and `loss_fn(module, batch) -> loss | (loss, aux)`.
 
     Every instance of a class in `units` is one ZeRO unit (gathered before its call, freed
-    after, gathered again in backward); the remaining params form one root unit. Without
-    `units=` the repeated blocks are found (`common.pick_units`: stacked layers, else the
-    model's own class with the most instances) and logged on the "zerojax" logger; `units=()`:
-    the whole model is one unit. The module's `nnx.BatchStat`s and other non-param variables
+    after, gathered again in backward); the remaining params form one root unit. A unit's
+    params read outside its call (a tied head through `attend`, another module, the loss)
+    compute there on the root's gather of them; a stack's are read only by its `nnx.scan`
+    (else a ModelError). Without `units=` the model's layer class is found
+    (`discovery.pick_units`: an `nnx.vmap` stack's, else the model's own repeated class whose
+    instances hold the most params) and logged on the "zerojax" logger; `units=()`: the whole
+    model is one unit. The module's `nnx.BatchStat`s and other non-param variables
     are the model state; its RNG streams draw fresh keys from the engine every step.
     `loss_fn(module, batch, rngs)`: a parameter named `rngs` gets an `nnx.Rngs` of the step's
     keys (streams "default" and those named in `rngs=`, by keyword) for call-time dropout; the
@@ -334,9 +339,11 @@ def from_nnx(module: nnx.Module, loss_fn: Callable[..., Any], units=None, rngs=(
     ModelError: bind it with `functools.partial`). `batch_axis`: the axis name the model's own
     collectives give the batch (e.g. `nnx.BatchNorm(axis_name="batch")`); they then run over
     the global batch. `logical_axis_rules`: flax's rules for logical names in the params'
-    sharding metadata (default: those in force here); a name mapped to "model" is split over a
-    mesh's model axis (docs/tensor-parallel.md). Build the module with eager sharding off
-    (`nnx.use_eager_sharding(False)`) or under `jax.set_mesh(zj.make_mesh(...))`.
+    sharding metadata, or, for a param without it, in the sharding of the array the model built
+    (its authors' `out_sharding=`) (default: the rules in force here); a name mapped to "model"
+    is split over a mesh's model axis (docs/tensor-parallel.md). Build the module with eager
+    sharding off (`nnx.use_eager_sharding(False)`), under `jax.set_mesh(zj.make_mesh(...))`, or
+    under its authors' mesh.
     """
     return NNXModel(module, loss_fn, units, rngs, batch_axis, logical_axis_rules)
 
