@@ -212,6 +212,7 @@ class Apply:
         self.training = training(units)
         self._inside = False  # in a unit's own apply, whose calls run plainly
         self._streams: tuple = ()  # the rng streams of the apply being run
+        self._stand = None  # the placeholders of the apply being run (placeholders.Stand)
 
     def fresh_rngs(self) -> dict:
         """A fresh key for each stream in `from_linen(..., rngs=)`: the step's keys (in
