@@ -357,6 +357,7 @@ def test_qwen3_vl_reads_its_tied_table_from_the_root(units):
     assert float(got) == pytest.approx(float(jax.jit(qwen3_loss)(net, b)), rel=1e-6)
 
 
+@pytest.mark.slow  # quick: the zoo's NNX blocks as units
 def test_mamba2_trains_with_its_blocks_as_units():
     net = bm.Mamba2(rngs=nnx.Rngs(0))
     zm = zj.from_nnx(net, nnx_loss)
@@ -414,7 +415,7 @@ def llada_loss(m, b):
     return xent(shard(logits, P()), b)  # the vocabulary whole for the labels' gather
 
 
-@pytest.mark.parametrize("stage", sweep([1, 3], quick=[3]))
+@pytest.mark.parametrize("stage", sweep([1, 3], quick=[]))  # quick: Gemma3's arrays
 def test_llada_trains_from_the_plan_on_its_arrays(stage):
     net = authors(lambda: bm.LLaDA(rngs=nnx.Rngs(0)))
     zm = zj.from_nnx(net, llada_loss, logical_axis_rules=tm.RULES)
