@@ -26,6 +26,7 @@ from tp_models import (
     HD,
     HEADS,
     ZOO_RULES,
+    DenseGeneralLast,
     DenseGeneralNet,
     ExplicitLM,
     LinenZoo,
@@ -170,13 +171,25 @@ def test_explicit_sharding_metadata_is_read_on_every_layer():
 # linen's DenseGeneral: a flat kernel boxed with the names of the reshaped one
 
 
-@pytest.mark.parametrize(("mesh", "stage"), sweep(
-    [(m, s) for m in ("4x2", "2x4", "2x2x2") for s in (0, 1, 2, 3)], quick=[]))
-def test_dense_general_with_three_logical_names(mesh, stage):
-    net = DenseGeneralNet()
+DENSE_GENERAL = {  # split name in the middle of three, and last (the flat kernel's 2-D box
+    # cannot place a third name: only the final 3-D box says which dimension is split)
+    "middle": (DenseGeneralNet, {"['DenseGeneral_0']['kernel']": 1,
+                                 "['DenseGeneral_1']['kernel']": 0}),
+    "last": (DenseGeneralLast, {"['DenseGeneral_0']['kernel']": 2,
+                                "['DenseGeneral_1']['kernel']": 1}),
+}
+
+
+@pytest.mark.parametrize(("mesh", "stage", "where"), sweep(
+    [(m, s, w) for m in ("4x2", "2x4", "2x2x2") for s in (0, 1, 2, 3)
+     for w in ("middle", "last")], quick=[]))
+def test_dense_general_with_three_logical_names(mesh, stage, where):
+    cls, want = DENSE_GENERAL[where]
+    net = cls()
     model = zj.from_linen(net, lambda apply, b: jnp.mean((apply(b["x"]) - b["y"]) ** 2),
                           (jnp.zeros((1, 16)),), logical_axis_rules=ZOO_RULES)
-    assert model.param_specs()["DenseGeneral_0"]["kernel"] == P(None, "model", None)
+    kernel = model.param_specs()["DenseGeneral_0"]["kernel"]
+    assert kernel.index("model") == want["['DenseGeneral_0']['kernel']"], kernel
     r = np.random.default_rng(0)
     batches = [{"x": r.normal(size=(16, 16)).astype(np.float32),
                 "y": r.normal(size=(16,)).astype(np.float32)} for _ in range(STEPS)]
@@ -184,19 +197,23 @@ def test_dense_general_with_three_logical_names(mesh, stage):
     loss = lambda p, b: jnp.mean((net.apply({"params": p}, b["x"]) - b["y"]) ** 2)  # noqa: E731
     engine = check_against_plain(model, params, loss, batches, MESHES[mesh], stage)
     split = {leaf.path: leaf.split for leaf in engine.layout.leaves if leaf.is_split}
-    assert split == {"['DenseGeneral_0']['kernel']": 1, "['DenseGeneral_1']['kernel']": 0}
+    assert split == want
 
 
-def test_dense_general_boxes_are_read_from_their_final_shape():
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_dense_general_boxes_are_read_from_their_final_shape(where):
     """The quick tier's check (training: the sweep above, slow): the plan from the final 3-D
     boxes, and the step's program traced (flax unboxes the flat kernel's box inside it)."""
-    model = zj.from_linen(DenseGeneralNet(), lambda apply, b: jnp.mean(apply(b["x"])),
+    cls, want = DENSE_GENERAL[where]
+    model = zj.from_linen(cls(), lambda apply, b: jnp.mean(apply(b["x"])),
                           (jnp.zeros((1, 16)),), logical_axis_rules=ZOO_RULES)
     specs = model.param_specs()
-    assert specs["DenseGeneral_0"]["kernel"] == P(None, "model", None)
-    assert specs["DenseGeneral_1"]["kernel"] == P("model", None, None)
+    for name, dim in want.items():
+        spec = specs[name[2:-12]]["kernel"]
+        assert spec == P(*("model" if d == dim else None for d in range(3))), (name, spec)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    assert shapes["DenseGeneral_0"]["kernel"].shape == (16, HEADS, HD)
+    assert shapes["DenseGeneral_0"]["kernel"].shape == (
+        (16, HEADS, HD) if where == "middle" else (16, HD, HEADS))
     engine = zj.Engine(model, optax.sgd(0.1), zj.make_mesh(**MESHES["4x2"]),
                        zj.ZeroConfig(stage=3))
     batch = {"x": np.zeros((8, 16), np.float32)}
@@ -263,6 +280,33 @@ def test_layer_zoo_plans_are_read_from_every_layer(name):
 
 
 # ---------------------------------------------------------------------------------------------
+# A name with two rules: the first wins, as in flax's own lookup
+
+
+def test_the_first_of_two_rules_for_a_name_wins():
+    from zerojax.adapters.axes import mesh_spec
+    from zerojax.adapters.hints import Hints, translate
+
+    rules = (("tp", "model"), ("tp", None))
+    with nn.logical_axis_rules(rules):  # flax: the first rule for a name is its axis
+        assert nn.logical_to_mesh_axes(("tp", None)) == P("model", None)
+    for first, split in ((rules, True), (rules[::-1], False)):
+        hint = translate(P("data", None, "tp"), "reshard", Hints(first, None, "from_nnx"))
+        assert hint == (P(None, None, "model") if split else P()), (first, hint)
+        assert mesh_spec(("tp", None), first) == P("model" if split else None, None)
+    # A model's hints and params through those rules: split and constrained, or neither.
+    with nnx.use_eager_sharding(False):
+        net = ExplicitLM(rngs=nnx.Rngs(0))
+    model = zj.from_nnx(net, lambda m, b: xent(m(b["x"]), b),
+                        logical_axis_rules=(*rules, ("fsdp", "data")))
+    engine = zj.Engine(model, clipped(), zj.make_mesh(**MESHES["4x2"]), zj.ZeroConfig(stage=3))
+    batch = token_batches(1)[0]
+    text = engine.lower(engine.init(jax.random.key(0), batch), batch).as_text()
+    assert sum(leaf.is_split for leaf in engine.layout.leaves) == 13
+    assert re.search(r'sharding_constraint %\S+ <@mesh, \[\{\}, \{\}, \{"model"\}\]>', text)
+
+
+# ---------------------------------------------------------------------------------------------
 # One line for every name nothing maps, and for a mesh that would split nothing
 
 
@@ -284,6 +328,8 @@ class Hinted(nnx.Module):
             return self.lin(x, out_sharding=spec)
         if self.how == "jnp out_sharding":
             return jnp.einsum("bi,io->bo", x, self.lin.kernel[...], out_sharding=spec)
+        if self.how == "auto_axes":  # the form nnx.Embed(...)(x, out_sharding=) takes
+            return jax.sharding.auto_axes(lambda y: self.lin(y), out_sharding=spec)(x)
         return self.lin(x).at[:, :2].get(out_sharding=spec)
 
 
@@ -293,7 +339,7 @@ def engine_init(model, mesh):
 
 
 @pytest.mark.parametrize("how", ["with_sharding_constraint", "reshard", "nnx out_sharding",
-                                 "jnp out_sharding", ".at[].get"])
+                                 "jnp out_sharding", ".at[].get", "auto_axes"])
 def test_a_hint_naming_an_unmapped_axis_is_one_line(how):
     with nnx.use_eager_sharding(False):
         net = Hinted(how, nnx.Rngs(0))
@@ -304,6 +350,7 @@ def test_a_hint_naming_an_unmapped_axis_is_one_line(how):
     where = "tp_models.py" if how == "reshard" else "test_tp_styles.py"  # where the hint is
     assert "\n" not in msg and "'tp'" in msg and where in msg, msg
     assert "('tp', 'model')" in msg and "from_nnx(logical_axis_rules=" in msg, msg
+    assert "('tp', 'data') if it shards over the batch devices" in msg, msg
 
 
 _own_constraint = jax.lax.with_sharding_constraint  # as `from jax.lax import ...` binds it
@@ -352,6 +399,8 @@ def test_a_param_naming_an_unmapped_axis_is_one_line():
                                             r"\('fsdp', None\)") as e:
         model.param_specs()
     assert "\n" not in str(e.value)
+    # An FSDP-style name goes to ZeRO's "data" (docs/tensor-parallel.md), not to "model".
+    assert "('fsdp', 'data') if it shards over the batch devices" in str(e.value)
 
 
 def test_a_linen_constraint_naming_an_unmapped_axis_is_one_line():

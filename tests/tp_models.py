@@ -158,6 +158,16 @@ class DenseGeneralNet(nn.Module):
             jnp.tanh(h))[..., 0]
 
 
+class DenseGeneralLast(nn.Module):
+    """As `DenseGeneralNet`, its split name ("heads") the last of the kernel's three."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.DenseGeneral((HD, HEADS), kernel_init=_lp(_init, ("embed", "kv", "heads")))(x)
+        return nn.DenseGeneral(1, axis=(-2, -1), kernel_init=_lp(_init, ("kv", "heads", None)))(
+            jnp.tanh(h))[..., 0]
+
+
 # --------------------------------------------------------------------------- NNX, logical names
 
 

@@ -278,7 +278,8 @@ def split_leaves(leaves: tuple[LeafSpec, ...], splits: dict[str, int | None],
                           f"splits none of its parameters over {MODEL!r} (no annotation names "
                           f"it), so every model device would hold and compute the same: "
                           f"annotate the params (nn.with_partitioning, logical axis rules, "
-                          f"NNX sharding metadata, or the model's param_specs()), or build the "
+                          f"NNX sharding metadata, out_sharding= on the arrays, or the model's "
+                          f"param_specs()), or build the "
                           f"mesh without model=")
     return tuple(out)
 

@@ -125,8 +125,7 @@ class PlainUnits(Context):
 
     def __init__(self, dtype: Any = None, remat: bool = False, *, rng=None, state=None,
                  training: bool = True, examples: int | None = None):
-        self.dtype = dtype
-        self.remat = remat
+        self.dtype, self.remat = dtype, remat
         rows = None if examples is None else jnp.arange(examples)
         self._context(rng, state, training, rng, rows)
 
@@ -161,8 +160,7 @@ class Handle:
     __slots__ = ("index", "path")
 
     def __init__(self, index: int, path: str):
-        self.index = index
-        self.path = path
+        self.index, self.path = index, path
 
     def __repr__(self):
         return f"Handle({self.path})"

@@ -144,12 +144,14 @@ def check_rules(rules, where: str):
     return rules
 
 
-def mesh_spec(names, rules, strict: str | None = None) -> P | None:
+def mesh_spec(names, rules, strict: str | None = None,
+              what: str = "sharding annotation") -> P | None:
     """A param's axis names (logical names, or mesh axes) as a PartitionSpec over zerojax's
     mesh axes: a name in `rules` becomes its rule's axis (the first rule for it), a mesh
     axis name stays, anything else is None (linen's logical names: flax leaves an unmatched
     one unsplit) or, given `strict` (where the names were seen: NNX sharding metadata, whose
-    names flax takes as mesh axes after its rules), a ModelError naming it and the rule."""
+    names flax takes as mesh axes after its rules, or a live array's sharding: `what`), a
+    ModelError naming it and the rule."""
     if names is None:
         return None
     lookup = dict(reversed(rules or ()))
@@ -161,10 +163,9 @@ def mesh_spec(names, rules, strict: str | None = None) -> P | None:
             return a
         if strict is not None:
             raise ModelError(
-                f"{strict}'s sharding annotation {tuple(names)} names the axis {a!r}, which "
+                f"{strict}'s {what} {tuple(names)} names the axis {a!r}, which "
                 f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; add "
-                f"the rule ({a!r}, {MODEL!r}) to logical_axis_rules= if it is a tensor-parallel "
-                f"dimension, ({a!r}, None) if not")
+                f"to logical_axis_rules= the rule {hints.rule_choices(a)}")
         return None
 
     out = []
@@ -178,6 +179,19 @@ def mesh_spec(names, rules, strict: str | None = None) -> P | None:
         else:
             out.append(one(n))
     return P(*out)
+
+
+def array_spec(x):
+    """The plan a live array carries (`jnp.zeros(shape, out_sharding=P("tp"))`, an initializer
+    given `out_sharding=`, built under the authors' mesh): its NamedSharding's spec, in that
+    mesh's axis names; None where nothing names a split (one device, no names). Any other
+    sharding that splits the array is returned as it is, for the caller's refusal."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.spec if any(e is not None for e in sharding.spec) else None
+    if sharding is None or sharding.is_fully_replicated:
+        return None
+    return sharding
 
 
 @contextlib.contextmanager

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,29 +17,38 @@ LOCK = threading.RLock()  # the patches of flax's scan and of jax.lax are proces
 
 
 @contextlib.contextmanager
-def scan_through(units, placeholders: dict, used: set, owner, attr: str, proxy):
-    """While active, `owner.<attr>` is `proxy(scan)`: a flax transform's `lax.scan` over the
-    stacked `placeholders` (`id -> (array, handle)`) runs as `units.scan` over their handles,
-    the gathered layer in place of each placeholder's slice. Adds the ids it consumed to
-    `used`; any other scan runs as before."""
-    if not placeholders:
+def scan_through(stand, owner, attr: str, proxy):
+    """While active, `owner.<attr>` is `proxy(scan)`: a flax transform's `lax.scan` over a
+    stack's stand-ins (`placeholders.Stand.take_scan`) runs as `units.scan` over their handles,
+    the gathered layer in place of each stand-in's slice; any other scan runs as before (an NNX
+    unit's gathered values it takes count as read)."""
+    if not stand.entries:
         yield
         return
+    units = stand.units
 
     def scan(f, init, xs, length=None, reverse=False, unroll=1, **kw):
         flat, tree = jax.tree.flatten(xs)
-        hs = [placeholders[id(x)][1] if id(x) in placeholders else None for x in flat]
-        used.update(id(x) for x, h in zip(flat, hs) if h is not None)
+        hs = [stand.take_scan(x) for x in flat]
         if not any(h is not None for h in hs):
             return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kw)
         if reverse:
-            raise ModelError("a unit stack scanned with reverse=True is not supported; "
-                             "scan it forward")
-        n = flat[0].shape[0]
+            raise ModelError(f"a unit stack scanned with reverse=True is not supported; scan "
+                             f"it forward{stand.note}")
+        n = next(x for x, h in zip(flat, hs) if h is not None).shape[0]
+
+        def layer_f(c, xs_l):  # a unit called in here runs on its gathered layer
+            stand.in_scan += 1
+            try:
+                return f(c, xs_l)
+            finally:
+                stand.in_scan -= 1
+
         layer = lambda xs_l, i: [w if h is not None else lax.dynamic_index_in_dim(x, i, 0, False)
                                  for x, w, h in zip(flat, xs_l, hs)]
-        y_avals = jax.eval_shape(lambda c: f(c, jax.tree.unflatten(tree, [
-            x[0] for x in flat]))[1], init)
+        y_avals = jax.eval_shape(lambda c: layer_f(c, jax.tree.unflatten(tree, [
+            jnp.zeros(x.shape[1:], x.dtype) if h is not None else x[0]
+            for x, h in zip(flat, hs)]))[1], init)
         axes = _vma(init)  # the per-layer outputs vary at most as the carry does
         ys0 = jax.tree.map(lambda a: _vary(jnp.zeros((n, *a.shape), a.dtype), axes), y_avals)
 
@@ -49,7 +56,7 @@ def scan_through(units, placeholders: dict, used: set, owner, attr: str, proxy):
             c, i, ys = carry
             it = iter(ws)
             xs_l = [next(it) if h is not None else None for h in hs]
-            c, y = f(c, jax.tree.unflatten(tree, layer(xs_l, i)))
+            c, y = layer_f(c, jax.tree.unflatten(tree, layer(xs_l, i)))
             ys = jax.tree.map(
                 lambda b, v: lax.dynamic_update_index_in_dim(b, _vary(v, axes), i, 0), ys, y)
             return c, i + 1, ys
@@ -103,61 +110,6 @@ class JaxWith:
 
     def __getattr__(self, name):
         return getattr(jax, name)
-
-
-def placeholder(a) -> jax.Array:
-    """A stand-in for a unit's param of `a`'s shape: NaN, so a computation that reaches it
-    instead of the gathered value cannot pass unnoticed (XLA drops it when unused)."""
-    fill = jnp.nan if jnp.issubdtype(a.dtype, jnp.inexact) else 0
-    return jnp.full(a.shape, fill, a.dtype)
-
-
-LOG = logging.getLogger("zerojax")
-
-
-@dataclass(frozen=True)
-class Found:
-    """One submodule instance that holds params: its path, class, params and whether its
-    params are a stack of layers (`nn.scan`, `nnx.vmap`)."""
-
-    path: tuple
-    cls: type
-    params: int
-    stacked: bool
-
-
-def pick_units(found: list[Found], where: str) -> tuple[type, ...]:
-    """The unit classes `from_linen` / `from_nnx` choose when `units=` is not given: the
-    classes of stacked layers; else the outermost class of the model's own (not flax's) with
-    the most instances (at least two); else flax's layer class with the most instances; else
-    none (the whole model is one unit). Logged on the "zerojax" logger."""
-    def reason(classes, why):
-        names = ", ".join(c.__name__ for c in classes) or "none"
-        LOG.info("%s: units=(%s) chosen: %s; pass units= to choose yourself (units=() for "
-                 "the whole model as one unit)", where, names, why)
-        return classes
-
-    def inside(f, fs):  # f lies within another instance of fs
-        return any(g.path != f.path and f.path[:len(g.path)] == g.path for g in fs)
-
-    layers = [f for f in found if f.stacked]
-    stacked = tuple(dict.fromkeys(f.cls for f in layers if not inside(f, layers)))
-    if stacked:
-        return reason(stacked, "the stacked layers (one unit per layer)")
-    by_class: dict[type, list[Found]] = {}
-    for f in found:
-        by_class.setdefault(f.cls, []).append(f)
-    repeated = {c: fs for c, fs in by_class.items() if len(fs) >= 2}
-    own = {c: fs for c, fs in repeated.items() if not c.__module__.startswith("flax.")}
-    if own:
-        every = [f for fs in own.values() for f in fs]
-        outer = {c: fs for c, fs in own.items() if not all(inside(f, every) for f in fs)}
-        best = max(outer.items(), key=lambda kv: (len(kv[1]), sum(f.params for f in kv[1])))
-        return reason((best[0],), f"the model's block repeated {len(best[1])} times")
-    if repeated:
-        best = max(repeated.items(), key=lambda kv: (len(kv[1]), sum(f.params for f in kv[1])))
-        return reason((best[0],), f"the layer repeated {len(best[1])} times")
-    return reason((), "no repeated block; the whole model is one unit")
 
 
 def check_unit_classes(units: Any) -> tuple[type, ...]:

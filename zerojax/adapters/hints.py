@@ -74,11 +74,18 @@ _LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     os.path.abspath(contextlib.__file__))
 
 
+def rule_choices(name: str) -> str:
+    """The rules a name that nothing maps may need, as the docs give them."""
+    return (f"({name!r}, {MODEL!r}) if it is a tensor-parallel dimension, ({name!r}, {DATA!r}) "
+            f"if it shards over the batch devices (FSDP: ZeRO's own), ({name!r}, None) if not "
+            f"split")
+
+
 def model_axis() -> bool:
     return MODEL in jax.sharding.get_abstract_mesh().axis_names
 
 
-def _own(filename: str) -> bool:
+def own_code(filename: str) -> bool:
     """Whether `filename` is the model's own code (not jax's, flax's or zerojax's)."""
     return not filename.startswith(_LIBRARIES)
 
@@ -86,7 +93,7 @@ def _own(filename: str) -> bool:
 def _where(api: str) -> str:
     """`api` and the innermost frame of the model's own code that reached it."""
     f = sys._getframe(1)
-    while f is not None and not _own(f.f_code.co_filename):
+    while f is not None and not own_code(f.f_code.co_filename):
         f = f.f_back
     if f is None:
         return api
@@ -107,7 +114,7 @@ def foreign_axis_errors():
         m = _FOREIGN.search(str(e))
         if m is None:
             raise
-        own = [f for f in traceback.extract_tb(e.__traceback__) if _own(f.filename)]
+        own = [f for f in traceback.extract_tb(e.__traceback__) if own_code(f.filename)]
         at = f" at {os.path.basename(own[-1].filename)}:{own[-1].lineno} ({own[-1].name})" \
             if own else ""
         raise ModelError(
@@ -139,8 +146,7 @@ def translate(spec, api: str, hints: Hints | None = None) -> P:
                 raise ModelError(
                     f"the sharding hint {spec} ({_where(api)}) names the axis {n!r}, which "
                     f"neither logical_axis_rules maps nor zerojax's meshes have {ALL_AXES}; "
-                    f"add the rule ({n!r}, {MODEL!r}) to {hints.adapter}(logical_axis_rules=...) "
-                    f"if it is a tensor-parallel dimension, ({n!r}, None) if not")
+                    f"add to {hints.adapter}(logical_axis_rules=...) the rule {rule_choices(n)}")
         kept.append(MODEL if MODEL in axes else None)
     while kept and kept[-1] is None:
         kept.pop()

@@ -1,11 +1,13 @@
 """`from_linen`: an unmodified Flax linen module as a zerojax model.
 
 Each `apply` runs `module.apply` with the root unit's params gathered and, in place of every
-unit's params, their handles, under `nn.intercept_methods`: a call of a unit instance gathers
-its handles and runs the instance as its own `apply`, both inside one rematerialized function
-(`common.unit_call`). A unit stacked by `nn.scan` gets zero-cost placeholders of its stacked
-shape instead; flax's scan loop over them (`flax.core.axes_scan`) is replaced, for that call
-only, by `units.scan`, which hands flax's layer body the gathered layer in their place.
+unit's params, stand-ins (`placeholders.Standin`: shapes, no values), under
+`nn.intercept_methods`: a call of any method of a unit instance (`attend` as `__call__`)
+gathers its params and runs the instance as its own `apply`, both inside one rematerialized
+function (`common.unit_call`); a read of them anywhere else is gathered there. A unit stacked
+by `nn.scan` gets stand-ins of its stacked shape that only its scan takes; flax's scan loop
+over them (`flax.core.axes_scan`) is replaced, for that call only, by `units.scan`, which hands
+flax's layer body the gathered layer in their place.
 
 Params boxed with sharding hints (`nn.with_partitioning`, `nn.with_logical_partitioning`) are
 trained as plain arrays, which linen's `apply` takes as it takes its boxes; `merge` boxes them
@@ -25,13 +27,10 @@ from flax.core import axes_scan, meta
 
 from zerojax.adapters.axes import bound_axes, check_batch_axis, check_rules, mesh_spec, model_axes
 from zerojax.adapters.common import (
-    Found,
     LaxWith,
     at_path,
     check_unit_classes,
     fresh_key,
-    pick_units,
-    placeholder,
     put_paths,
     scan_through,
     split_paths,
@@ -39,6 +38,8 @@ from zerojax.adapters.common import (
     training,
     unit_call,
 )
+from zerojax.adapters.discovery import Found, chosen, own, pick_units
+from zerojax.adapters.placeholders import Stand
 from zerojax.errors import ModelError
 
 
@@ -73,8 +74,10 @@ class LinenModel:
             raise ModelError(f"{type(module).__name__}.init(...) made no params; check "
                              f"sample_args, the arguments of one call of the module")
         self.state_cols = tuple(c for c in abstract if c != "params")
+        self.abstract = abstract["params"]
         if units is None:
             self.classes = pick_units(self._submodules(abstract), "from_linen")
+        self.note = chosen("from_linen", self.classes) if units is None else ""
         self.instances, self.stacks = self._find_units(abstract)
         if self.state_cols:
             self.init_state = self._init_state
@@ -122,8 +125,11 @@ class LinenModel:
                                  map(jnp.shape, jax.tree.leaves(mine))))
                 stacked = bool(pairs) and pairs[0][0] != pairs[0][1]
                 # a stack scanned over another axis than 0 cannot be a unit (see Apply)
-                if pairs and (not stacked or all(f[1:] == s and f[0] == pairs[0][0][0]
-                                                 for f, s in pairs)):
+                container = not own(type(m)) and all(isinstance(v, dict) for v in mine.values())
+                if container:  # flax's nn.Sequential: no params of its own
+                    pass
+                elif pairs and (not stacked or all(f[1:] == s and f[0] == pairs[0][0][0]
+                                                   for f, s in pairs)):
                     seen[path] = Found(path, type(m), sum(int(np.prod(f)) for f, _ in pairs),
                                        stacked)
                 elif pairs:
@@ -138,12 +144,14 @@ class LinenModel:
         """Paths of the unit instances called directly, and of those stacked by `nn.scan`
         (with the stacked params' abstract values)."""
         found: dict[tuple, Any] = {}
+        self.unit_cls: dict[tuple, type] = {}
         depth = [0]
 
         def record(next_fun, args, kwargs, ctx):
             top = _is_unit(ctx.module, self.classes) and not depth[0]
             if top and ctx.module.path not in found:
                 found[ctx.module.path] = ctx.module.variables.get("params", {})
+                self.unit_cls[ctx.module.path] = type(ctx.module)
             depth[0] += top
             try:
                 return next_fun(*args, **kwargs)
@@ -204,6 +212,7 @@ class Apply:
         self.training = training(units)
         self._inside = False  # in a unit's own apply, whose calls run plainly
         self._streams: tuple = ()  # the rng streams of the apply being run
+        self._stand = None  # the placeholders of the apply being run (placeholders.Stand)
 
     def fresh_rngs(self) -> dict:
         """A fresh key for each stream in `from_linen(..., rngs=)`: the step's keys (in
@@ -216,13 +225,15 @@ class Apply:
         parts, root = split_paths(self.params, [*model.instances, *model.stacks])
         if jax.tree.leaves(root):
             root = units.gather(root)
-        placeholders = {}
+        # In place of a unit's params, stand-ins (placeholders.py): a unit's call gathers
+        # them, a read elsewhere gathers it there; flax's scan over a stack becomes units.scan.
+        stand = self._stand = Stand(units, "from_linen", model.note)
+        for path in model.instances:
+            parts[path] = stand.standins(at_path(model.abstract, path), parts[path], path,
+                                         model.unit_cls[path], False)
         for path in model.stacks:
-            # flax's scan over them becomes units.scan.
-            stand = jax.tree.map(placeholder, model.stacks[path])
-            for x, h in zip(jax.tree.leaves(stand), jax.tree.leaves(parts[path])):
-                placeholders[id(x)] = (x, h)
-            parts[path] = stand
+            parts[path] = stand.standins(model.stacks[path], parts[path], path,
+                                         model.unit_cls[path], True)
         variables = {"params": put_paths(root, parts)}
         state = units.state if model.state_cols else None
         variables.update(state or {})
@@ -230,16 +241,15 @@ class Apply:
             rngs = {"params": rngs}  # as module.apply takes one key
         rngs = {**self.fresh_rngs(), **(rngs or {})}
         self._streams = tuple(rngs)
-        used: set[int] = set()
-        with scan_through(units, placeholders, used, axes_scan, "lax", LaxWith), \
+        with scan_through(stand, axes_scan, "lax", LaxWith), \
                 nn.intercept_methods(self._intercept):
             out = model.module.apply(variables, *args, rngs=rngs, method=method,
                                      mutable=list(model.state_cols) or False, **kwargs)
-        if used != set(placeholders):
-            # Else the model computed on the placeholders.
-            raise ModelError("a unit stacked by nn.scan must take its params on axis 0, "
-                             "unmoved (variable_axes={'params': 0}); or leave its class out "
-                             "of units")
+        if not set(model.stacks) <= stand.scanned:
+            # Else the model computed on the stand-ins.
+            raise ModelError(f"a unit stacked by nn.scan must take its params on axis 0, "
+                             f"unmoved (variable_axes={{'params': 0}}); or leave its class out "
+                             f"of units{model.note}")
         if state is None:
             return out
         out, new = out
@@ -266,7 +276,14 @@ class Apply:
                 self._inside = False
             return out if mutable else (out, {})
 
-        out, new = unit_call(self.units, fn, m.variables["params"], args, kwargs, cols, rngs)
+        params = m.variables["params"]
+        values = jax.tree.leaves(params)
+        taken = dict(self._stand.take_call(values))
+        if len(taken) < len(values):  # no stand-ins of this unit: values flax computed
+            return next_fun(*args, **kwargs)
+        handles = jax.tree.unflatten(jax.tree.structure(params), [taken[i] for i in
+                                                                   range(len(values))])
+        out, new = unit_call(self.units, fn, handles, args, kwargs, cols, rngs)
         for c in mutable:
             for name, v in new[c].items():
                 m.put_variable(c, name, v)
@@ -318,9 +335,9 @@ def from_linen(module: nn.Module, loss_fn: Callable[..., Any], sample_args, unit
     module, for `module.init` (arrays or `jax.ShapeDtypeStruct`s; `sample_kwargs={"train":
     False}` for a required keyword-only flag). Every instance of a class in `units` is one
     ZeRO unit; one stacked by `nn.scan` is one unit per layer; the remaining params form one
-    root unit. Without `units=` the repeated blocks are found (`common.pick_units`: the
-    `nn.scan` stacks, else the model's own class with the most instances) and logged on the
-    "zerojax" logger; `units=()` makes the whole model one unit.
+    root unit. Without `units=` the model's layer class is found (`discovery.pick_units`: the
+    `nn.scan` stacks', else the model's own repeated class whose instances hold the most
+    params) and logged on the "zerojax" logger; `units=()` makes the whole model one unit.
     `batch_axis`: the axis name the model's own collectives give the batch (e.g.
     `nn.BatchNorm(axis_name="batch")`); they then run over the global batch.
     `logical_axis_rules`: flax's rules for the logical names of `nn.with_logical_partitioning`
