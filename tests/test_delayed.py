@@ -89,6 +89,44 @@ def test_delayed_update_with_model_state_matches_the_delayed_loop():
                   k=2, clip=1.0, ref_model=Norm(), stage=3)
 
 
+def test_float16_delay_with_sgd_on_replicas_and_micro_batches():
+    """The quick tier's float16 point of the delay, with a scale-sensitive optimizer (SGD: a
+    pending gradient left times the loss scale moves it 2**13 times too far, where Adam's
+    update would not change), on replica 2 × data 2 with 2 micro-batches (the loss
+    pre-division over all three) at stage 1, from the scale 2**17: the seed's float16 backward
+    overflows as on one device, until 2**13 (four skips), each overflowed step waiting as
+    pending with `ok` False and the params untouched; then the single-device optax loop with
+    the same delay from the untouched params, and `evaluate` reads the params with the pending
+    update applied, not the lagging ones the next step runs on."""
+    mesh = zj.make_mesh(replica=2, data=2, devices=jax.devices()[:4])
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    eng = zj.Engine(SeedMLP(), optax.sgd(0.01), mesh, zj.ZeroConfig(
+        stage=1, param_dtype="float16", loss_scale_init=2.0**17, loss_scale_interval=1000,
+        grad_accum=2, offload="optimizer", delayed_update=1))
+    state = eng.init(jax.random.key(0), batch)
+    start, losses, skipped = eng.params(state), [], []
+    for _ in range(8):
+        state, m = eng.step(state, batch)
+        losses.append(float(m["loss"]))
+        skipped.append(int(m["skipped"]))
+        if skipped[-1]:
+            assert not bool(state.pending.ok)
+            assert not all(np.isfinite(np.asarray(g)).all()
+                           for g in jax.tree.leaves(state.pending.grads))
+            assert_bitwise(eng.params(state), start)
+    assert skipped == [1] * 4 + [0] * 4 and float(m["loss_scale"]) == 2.0**13
+    ref_losses, _, ref_params, _ = delayed_reference(SeedMLP(), optax.sgd(0.01), [batch] * 4, 1,
+                                                     dtype=jnp.float16)
+    np.testing.assert_allclose(losses[4:], ref_losses, rtol=2e-3)
+    err = moved_error(eng.params(state), ref_params, start)
+    assert err <= 5e-3, f"params off by {err:.3g} of the reference's move"
+    assert bool(state.pending.ok)
+    applied, lagging = (jax.jit(lambda p: SeedMLP().loss(p, batch, PlainUnits(jnp.float16)))(p)
+                        for p in (eng.params(state), eng._delay.lagging(state.compute)))
+    got = float(eng.evaluate(state, batch)["loss"])
+    assert abs(got - float(applied)) <= 1e-3 * abs(float(applied)) < abs(got - float(lagging))
+
+
 def check_evaluate(eng, state):
     """evaluate reads the params with the pending update applied."""
     batch, model = gpt_batch(gpt().cfg, 8, 99), gpt()
