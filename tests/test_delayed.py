@@ -332,13 +332,15 @@ def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     assert int(eng.logical(eng.saveable(state))["step"]) == 2
 
 
-def test_the_devices_program_is_dispatched_while_the_host_updates(monkeypatch):
+@pytest.mark.parametrize("n", [4, 1])
+def test_the_devices_program_is_dispatched_while_the_host_updates(monkeypatch, n):
     """XLA:CPU runs a fused pass's program inline, to its end, on the thread that calls it (its
     cost analysis counts no flops in a custom call: a "cheap" program); so a delayed step calls
     the pending update from a thread of its own and dispatches the gradients program while the
     host updates. Here the update waits until the gradients program has been dispatched: called
-    on the step's own thread before it, it would wait for ever (20 s here)."""
-    mesh = zj.make_mesh(data=4)
+    on the step's own thread before it, it would wait for ever (20 s here). Also on a host mesh
+    of one device (`make_mesh(data=1)`), where no collective can hold the two programs."""
+    mesh = zj.make_mesh(data=n, devices=jax.devices()[:n])
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), zj.adamw(1e-2), mesh, zj.ZeroConfig(
         stage=3, offload="optimizer", delayed_update=1))
     state = eng.init(jax.random.key(0), BATCHES[0])
