@@ -428,6 +428,11 @@ def test_the_pending_gradient_waits_as_it_arrived(stage, accum, cfg):
     state = eng.init(jax.random.key(0), batch)
     assert eng.plan.reduced_dtype == want
     assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}
+    # so it holds the gradient's bytes a param (2 in bf16, 4 summed in float32), laid out as
+    # the float32 master (4): docs/training.md's host bytes
+    mine = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                            for s in x.addressable_shards if s.device == eng.mesh.devices.flat[0])
+    assert mine(state.pending.grads) * 4 == mine(state.master) * want.itemsize
     off = eng._offload
     _, reduced, _ = off._grads_fn()(off.device_part(state), zj.mesh.put_batch(batch, eng.mesh))
     arrived = off.down(jax.tree.leaves(reduced[0]))
