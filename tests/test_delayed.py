@@ -89,6 +89,44 @@ def test_delayed_update_with_model_state_matches_the_delayed_loop():
                   k=2, clip=1.0, ref_model=Norm(), stage=3)
 
 
+def test_float16_delay_with_sgd_on_replicas_and_micro_batches():
+    """The quick tier's float16 point of the delay, with a scale-sensitive optimizer (SGD: a
+    pending gradient left times the loss scale moves it 2**13 times too far, where Adam's
+    update would not change), on replica 2 × data 2 with 2 micro-batches (the loss
+    pre-division over all three) at stage 1, from the scale 2**17: the seed's float16 backward
+    overflows as on one device, until 2**13 (four skips), each overflowed step waiting as
+    pending with `ok` False and the params untouched; then the single-device optax loop with
+    the same delay from the untouched params, and `evaluate` reads the params with the pending
+    update applied, not the lagging ones the next step runs on."""
+    mesh = zj.make_mesh(replica=2, data=2, devices=jax.devices()[:4])
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    eng = zj.Engine(SeedMLP(), optax.sgd(0.01), mesh, zj.ZeroConfig(
+        stage=1, param_dtype="float16", loss_scale_init=2.0**17, loss_scale_interval=1000,
+        grad_accum=2, offload="optimizer", delayed_update=1))
+    state = eng.init(jax.random.key(0), batch)
+    start, losses, skipped = eng.params(state), [], []
+    for _ in range(8):
+        state, m = eng.step(state, batch)
+        losses.append(float(m["loss"]))
+        skipped.append(int(m["skipped"]))
+        if skipped[-1]:
+            assert not bool(state.pending.ok)
+            assert not all(np.isfinite(np.asarray(g)).all()
+                           for g in jax.tree.leaves(state.pending.grads))
+            assert_bitwise(eng.params(state), start)
+    assert skipped == [1] * 4 + [0] * 4 and float(m["loss_scale"]) == 2.0**13
+    ref_losses, _, ref_params, _ = delayed_reference(SeedMLP(), optax.sgd(0.01), [batch] * 4, 1,
+                                                     dtype=jnp.float16)
+    np.testing.assert_allclose(losses[4:], ref_losses, rtol=2e-3)
+    err = moved_error(eng.params(state), ref_params, start)
+    assert err <= 5e-3, f"params off by {err:.3g} of the reference's move"
+    assert bool(state.pending.ok)
+    applied, lagging = (jax.jit(lambda p: SeedMLP().loss(p, batch, PlainUnits(jnp.float16)))(p)
+                        for p in (eng.params(state), eng._delay.lagging(state.compute)))
+    got = float(eng.evaluate(state, batch)["loss"])
+    assert abs(got - float(applied)) <= 1e-3 * abs(float(applied)) < abs(got - float(lagging))
+
+
 def check_evaluate(eng, state):
     """evaluate reads the params with the pending update applied."""
     batch, model = gpt_batch(gpt().cfg, 8, 99), gpt()
@@ -294,13 +332,15 @@ def test_the_pending_update_is_dispatched_before_the_backward(monkeypatch):
     assert int(eng.logical(eng.saveable(state))["step"]) == 2
 
 
-def test_the_devices_program_is_dispatched_while_the_host_updates(monkeypatch):
+@pytest.mark.parametrize("n", [4, 1])
+def test_the_devices_program_is_dispatched_while_the_host_updates(monkeypatch, n):
     """XLA:CPU runs a fused pass's program inline, to its end, on the thread that calls it (its
     cost analysis counts no flops in a custom call: a "cheap" program); so a delayed step calls
     the pending update from a thread of its own and dispatches the gradients program while the
     host updates. Here the update waits until the gradients program has been dispatched: called
-    on the step's own thread before it, it would wait for ever (20 s here)."""
-    mesh = zj.make_mesh(data=4)
+    on the step's own thread before it, it would wait for ever (20 s here). Also on a host mesh
+    of one device (`make_mesh(data=1)`), where no collective can hold the two programs."""
+    mesh = zj.make_mesh(data=n, devices=jax.devices()[:n])
     eng = zj.Engine(Norm(zj.batch_axes(mesh)), zj.adamw(1e-2), mesh, zj.ZeroConfig(
         stage=3, offload="optimizer", delayed_update=1))
     state = eng.init(jax.random.key(0), BATCHES[0])
@@ -347,6 +387,31 @@ def test_bad_delayed_update_is_one_config_error(cfg, match):
     assert zj.ZeroConfig(stage=2, offload="optimizer", delayed_update=0).delayed_update == 0
 
 
+def test_an_early_delay_is_legal_and_warned_of_with_the_recommendation():
+    """A delay that starts within the first 40 steps (or, where the schedule is known, before
+    its warm-up ends) is legal and warned of once, naming the start to use: measured with the
+    command line's defaults (nano, lr 3e-3 after 10 warm-up steps), K = 2 spiked the loss to
+    6.77 at step 19 and K = 10 to 5.49 at step 13, K = 20 and 40 did not."""
+    import warnings
+
+    from zerojax.config import DELAY_AFTER, DelayWarning, delay_advice
+
+    for k in (0, 2, DELAY_AFTER - 1):
+        with pytest.warns(DelayWarning, match=rf"delayed_update={k} starts the delayed update "
+                          rf"within the first 40 steps.*use delayed_update=40 or more") as w:
+            zj.ZeroConfig(stage=1, offload="optimizer", delayed_update=k)
+        assert len(w) == 1 and w[0].filename == __file__  # the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DelayWarning)
+        zj.ZeroConfig(stage=1, offload="optimizer", delayed_update=DELAY_AFTER)
+        zj.ZeroConfig(stage=1, offload="optimizer")
+    # the command line knows the warm-up: the later of the two
+    assert delay_advice(40, 10) is None and delay_advice(99, 100) is not None
+    assert "before the learning rate's 100-step warm-up ends" in delay_advice(60, 100)
+    assert delay_advice(60, 100, "--delayed-update ").endswith(
+        "use --delayed-update 100 or more (docs/training.md)")
+
+
 @pytest.mark.parametrize("stage, accum, cfg", [
     (3, 1, {}), (1, 2, {}), (3, 2, {}),
     pytest.param(2, 1, {"quantize_grads": "int8"}, marks=pytest.mark.slow)])
@@ -363,6 +428,11 @@ def test_the_pending_gradient_waits_as_it_arrived(stage, accum, cfg):
     state = eng.init(jax.random.key(0), batch)
     assert eng.plan.reduced_dtype == want
     assert {g.dtype for g in jax.tree.leaves(state.pending.grads)} == {want}
+    # so it holds the gradient's bytes a param (2 in bf16, 4 summed in float32), laid out as
+    # the float32 master (4): docs/training.md's host bytes
+    mine = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                            for s in x.addressable_shards if s.device == eng.mesh.devices.flat[0])
+    assert mine(state.pending.grads) * 4 == mine(state.master) * want.itemsize
     off = eng._offload
     _, reduced, _ = off._grads_fn()(off.device_part(state), zj.mesh.put_batch(batch, eng.mesh))
     arrived = off.down(jax.tree.leaves(reduced[0]))

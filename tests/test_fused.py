@@ -145,6 +145,15 @@ def test_only_zerojax_adamw_is_fused():
     np.testing.assert_array_equal(a["w"], b["w"])
     with pytest.raises(TypeError, match="b1 must be a float"):
         zj.adamw(1e-3, b1=jnp.asarray(0.9))
+    # values optax takes as given and turns into NaN params: one line each
+    for args, kw, match in (((1e-3,), {"weight_decay": float("nan")},
+                             r"weight_decay=nan must be a finite number"),
+                            ((1e-3,), {"eps": float("inf")}, r"eps=inf must be a finite"),
+                            ((1e-3,), {"b2": 1.0}, r"b2=1.0 must be in \[0, 1\)"),
+                            ((float("nan"),), {}, r"learning_rate=nan must be a finite")):
+        with pytest.raises(zj.ConfigError, match=match) as e:
+            zj.adamw(*args, **kw)
+        assert "\n" not in str(e.value)
     assert spec_of(zj.adamw(1e-3, b1=np.float32(0.9))).b1 == float(np.float32(0.9))
 
 

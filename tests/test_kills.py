@@ -99,3 +99,24 @@ def test_sigkill_at_three_points_then_resume_every_sink_holds_metrics_jsonl(tmp_
                               ["step"]]) == STEPS
     # The three killed processes' W&B run directories, set aside by the resumes.
     assert len(list((out / "wandb" / "superseded").iterdir())) == 3
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_first_save_then_a_fresh_run_leaves_one_wandb_run(tmp_path):
+    """Killed while its first checkpoint is being written, a run has nothing to resume: run
+    again without --resume, it starts afresh, and its sinks hold its own records only, W&B's
+    too (the killed run's offline directory set aside, so `wandb sync` uploads one run)."""
+    data = tmp_path / "tokens64.npy"
+    np.save(data, (embedded_corpus(2**16) % 64).astype(np.uint16))
+    out, home = tmp_path / "run", tmp_path / "wandb-home"
+    proc = _run(out, home, data, resume=False)
+    _kill_when(proc, lambda: bool(_saving(out)))
+    assert not _saved(out) and (out / "wandb_run_id").is_file()
+    killed = (out / "wandb_run_id").read_text().strip()
+    proc = _run(out, home, data, resume=False)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    _check_sinks(out)
+    assert (out / "wandb_run_id").read_text().strip() != killed
+    (moved,) = (out / "wandb" / "superseded").iterdir()
+    assert moved.name.endswith(killed)

@@ -542,27 +542,34 @@ def test_estimate_and_plan_largest_with_the_delayed_update(capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.count("\n") == 1 and message in err
 
-    # One 80 GB device on a 125 GB host, the pinned-host pool at 110 GiB: offload reaches 7b
-    # without the delay (host peak 16Ψ = 107 GB) and with it (18Ψ = 121 GB: the pending bf16
-    # gradient is 2Ψ; the pool holds only the gradient shard on its way), and its device peak
-    # gains its 2Ψ compute copy; gpt3-13b fits neither memory.
+    # One 80 GB device on a 125 GB host less its 10 % margin (112.5 GB), the pinned-host pool
+    # at 110 GiB: offload reaches 7b without the delay (host peak 16Ψ = 107 GB), not with it
+    # (18Ψ = 121 GB: the pending bf16 gradient is 2Ψ; the pool holds only the gradient shard on
+    # its way), which reaches gpt-4b, its device peak with its 2Ψ compute copy; with no host
+    # margin 7b fits both (4 GB left for everything else), and gpt3-13b fits neither memory.
     plan = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
             "--host-memory", "125GB", "--pinned-limit", "110GiB", "--json"]
     out = {}
-    for k in (None, "2"):
-        assert plan_main(plan + (["--delayed-update", k] if k else [])) == 0
-        out[k] = json.loads(capsys.readouterr().out)
-    (plain,), (delayed,) = out[None]["largest"], out["2"]["largest"]
-    assert (plain["offload"]["fits"]["name"], delayed["offload"]["fits"]["name"]) == ("7b",
-                                                                                     "7b")
-    f, nx = delayed["offload"]["fits"], delayed["offload"]["next"]
+    for k, margin in ((None, []), ("2", []), ("2", ["--host-margin", "0"])):
+        assert plan_main(plan + (["--delayed-update", k] if k else []) + margin) == 0
+        out[k, bool(margin)] = json.loads(capsys.readouterr().out)
+    (plain,), (delayed,) = out[None, False]["largest"], out["2", False]["largest"]
+    (unkept,) = out["2", True]["largest"]
+    assert (out[None, False]["host_margin"], out["2", True]["host_margin"]) == (0.1, 0)
+    assert (plain["offload"]["fits"]["name"], delayed["offload"]["fits"]["name"],
+            unkept["offload"]["fits"]["name"]) == ("7b", "gpt-4b", "7b")
+    f, nx = unkept["offload"]["fits"], unkept["offload"]["next"]
     psi = f["num_params"]
     assert (f["host"], f["host_peak"], f["pending"]) == (14 * psi, 18 * psi, 2 * psi)
     assert f["host_peak"] - plain["offload"]["fits"]["host_peak"] == 2 * psi
     assert nx["name"] == "gpt3-13b" and nx["host_peak"] == 18 * nx["num_params"]
-    assert delayed["offload"]["binds"] == ["device", "host"]
+    assert unkept["offload"]["binds"] == ["device", "host"]
+    assert delayed["offload"]["next"] == f and delayed["offload"]["binds"] == ["host"]
+    assert 112.5e9 < f["host_peak"] <= 125e9
+    g = delayed["offload"]["fits"]
+    assert g["host_peak"] == 18 * g["num_params"] and g["peak"] < plain["offload"]["fits"]["peak"]
     assert "--delayed-update 2: + the pending gradient shard" in \
-        out["2"]["assumptions"]["offload"]
+        out["2", False]["assumptions"]["offload"]
     assert delayed["fits"] == plain["fits"]  # the columns without offload do not change
     for bad, message in (([*plan[:4], "--model", "1b", "--delayed-update", "1"],
                           "add --largest"),
@@ -723,10 +730,18 @@ def test_plan_largest_host_memory_caps_offload(capsys):
     # The host peak, 16Ψ, of 7b (107 GB) does not fit 100 GB of host memory; gpt-4b's does.
     assert (row["offload"]["fits"]["name"], row["offload"]["next"]["name"]) == ("gpt-4b", "7b")
     assert row["offload"]["binds"] == ["host"]
-    assert "at most 100 GB" in out["assumptions"]["offload"]
+    assert "at most 90.0 GB (100 GB less a 10% margin for the operating system" in \
+        out["assumptions"]["offload"]
+    # The host's limit is the table's: 0 bytes is refused (it said "not limited" while no
+    # shape fitted); without --host-memory nothing caps the host, and the header says so.
+    with pytest.raises(SystemExit) as exc:
+        plan_main([*argv, "--host-memory", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "--host-memory 0: give" in err
     assert plan_main([*argv, "--pinned-limit", "none"]) == 0  # without the caps: gpt3-13b
-    assert json.loads(capsys.readouterr().out)["largest"][0]["offload"]["fits"]["name"] == \
-        "gpt3-13b"
+    out = json.loads(capsys.readouterr().out)
+    assert out["largest"][0]["offload"]["fits"]["name"] == "gpt3-13b"
+    assert "must fit the host memory, not limited" in out["assumptions"]["offload"]
 
 
 @pytest.mark.parametrize("env, limit, fits, binds", [
@@ -972,22 +987,24 @@ def test_plan_with_bandwidth_tries_zeropp_on_offloaded_candidates_too():
 
 def test_plan_largest_chooses_twin_flows_fraction(capsys):
     """`plan --largest`'s Twin-Flow column: the least --offload-fraction, a multiple of 0.05,
-    whose devices' share of the host state fits beside the offloaded shape's device peak (one
-    step less would not; at least 0.05); on one 80 GB device 7b's 80.6 GB of host state
-    leaves the devices room for 60 % of it."""
+    whose devices' share of the host state fits beside the offloaded shape's device peak in
+    the device memory less `--margin` (10 %, the room the estimate leaves out; one step less
+    would not fit; at least 0.05); on one 80 GB device 7b's 80.6 GB of host state leaves the
+    devices room for 50 % of it in 72 GB (60 % in all 80 GB, with --margin 0)."""
     from zerojax.analysis.largest import TWIN_STEP, largest, twin_flow_fraction
 
     argv = ["--devices", "1", "--memory", "80GB", "--largest", "--stages", "3", "--remat", "on",
             "--host-memory", "125GB", "--json"]
-    assert plan_main(argv) == 0
-    (row,) = json.loads(capsys.readouterr().out)["largest"]
-    fits, f = row["offload"]["fits"], row["offload"]["twin_flow_fraction"]
-    assert (fits["name"], f) == ("7b", 0.4)
-    assert fits["peak"] + (1 - f) * fits["host"] <= 80e9 < fits["peak"] + (
-        1 - f + TWIN_STEP) * fits["host"]
+    for margin, want, budget in ((None, 0.5, 72e9), ("0", 0.4, 80e9)):
+        assert plan_main(argv + (["--margin", margin] if margin else [])) == 0
+        (row,) = json.loads(capsys.readouterr().out)["largest"]
+        fits, f = row["offload"]["fits"], row["offload"]["twin_flow_fraction"]
+        assert (fits["name"], f) == ("7b", want)
+        assert fits["peak"] + (1 - f) * fits["host"] <= budget < fits["peak"] + (
+            1 - f + TWIN_STEP) * fits["host"]
     for r in largest(8, 80e9, offload="optimizer", remat=(True,)):
         g = twin_flow_fraction(r["fits"], 80e9)
         assert 0 < g <= 1 and abs(g / TWIN_STEP - round(g / TWIN_STEP)) < 1e-9
-        assert r["fits"].peak + (1 - g) * r["fits"].host <= 80e9 or g == 1.0
+        assert r["fits"].peak + (1 - g) * r["fits"].host <= 72e9 or g == 1.0
         if g > TWIN_STEP:
-            assert r["fits"].peak + (1 - g + TWIN_STEP) * r["fits"].host > 80e9
+            assert r["fits"].peak + (1 - g + TWIN_STEP) * r["fits"].host > 72e9

@@ -2,6 +2,7 @@
 values, each step once, across resumes."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -70,6 +71,28 @@ def test_tensorboard_after_a_kill_holds_metrics_jsonl_whatever_was_flushed(tmp_p
     assert tensorboard_scalars(tmp_path)["learning/loss"][7] == np.float32(5.0 / 7)
 
 
+def test_a_tag_only_the_killed_run_wrote_past_the_resume_is_gone(tmp_path):
+    """The killed run wrote a tag past the resume point that the resumed records never write
+    (a model's metric of its last steps). TensorBoard's reader drops a tag's points past a
+    step it sees again, so the tags the replay writes hide an old file's later steps by
+    themselves; this tag's only the restart event (`purge_step`) drops."""
+    killed = [record(s, 4.0) | ({"aux": 9.0} if s == 8 else {}) for s in range(1, 9)]
+    log = MetricsWriter(tmp_path, 0)
+    for r in killed:
+        log.write(r)
+    log.close()
+    stale = tmp_path / "stale"
+    shutil.copytree(tmp_path / "tensorboard", stale)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()[:6]  # checkpoint 6
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    records = write(tmp_path, 6, range(7, 9), 5.0)
+    (old,) = stale.iterdir()  # the killed process's file back: a live reader may still see it
+    shutil.copy(old, tmp_path / "tensorboard" / ("events.out.tfevents.0." + old.name[-20:]))
+    seen = tensorboard_scalars(tmp_path)
+    assert seen.pop("metrics/aux", {}) == {}  # the tag may stay known, without a point
+    assert seen == by_tag(records)
+
+
 def test_tensorboard_keeps_the_old_files_when_metrics_jsonl_lacks_the_steps(tmp_path):
     """metrics.jsonl deleted before a resume from step 4: the event files are the only record
     of steps 1-4, so they stay, and only their steps after 4 are dropped."""
@@ -115,6 +138,14 @@ def test_wandb_offline_run_holds_the_same_history(tmp_path, monkeypatch):
     assert resumed["id"] == runs[0]["id"] and resumed["history"] == by_tag(records, np.float64)
     assert resumed["history"]["learning/loss"][3] == 8.0 / 3
     assert len(list((out / "wandb" / "superseded").iterdir())) == 1
+    # Two fresh runs in one directory (the first killed before its first checkpoint, which
+    # `train` starts again without --resume): two W&B runs, the second's id its own, and the
+    # superseded run moved aside, so `wandb sync` uploads only the run metrics.jsonl holds.
+    records = write(out, 0, range(1, 3), 2.0, wandb="zerojax-tests")
+    (fresh,) = wandb_history(out)
+    assert fresh["id"] != resumed["id"] and fresh["history"] == by_tag(records, np.float64)
+    assert (out / "wandb_run_id").read_text().strip() == fresh["id"]
+    assert len(list((out / "wandb" / "superseded").iterdir())) == 2
 
 
 def test_a_full_disk_under_the_records_is_one_error_the_files_as_they_were(tmp_path, monkeypatch):

@@ -26,10 +26,12 @@ import pytest
 from conftest import FAST_COMPILE
 from helpers import by_tag, sweep, tensorboard_scalars, wandb_history
 
+import zerojax as zj
 from zerojax.app import cli, options, peers, presets, recipe, report, resume, sample, train
 from zerojax.app.data import embedded_corpus
 from zerojax.app.files import RunFileError
 from zerojax.app.records import MetricsLog
+from zerojax.app.sinks import scalars
 from zerojax.models import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,7 +395,8 @@ def test_offload_past_the_hosts_available_memory_is_refused_before_init(tmp_path
 
 
 @pytest.mark.slow
-def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch):
+def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, tokens64, monkeypatch,
+                                                                 capsys):
     """`--offload optimizer --delayed-update 1`: a resume from a step saved in the delayed phase
     (on another stage, and with Twin-Flow's `--offload-fraction 0.5`) gives the uninterrupted
     run's losses: saved after step 2 (step 1's update pending), two steps resumed (the second
@@ -416,6 +419,15 @@ def test_delayed_update_flag_trains_and_resumes_as_uninterrupted(tmp_path, token
     assert len(losses(tmp_path / "b")) == 2
     s = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert s["config"]["offload_fraction"] == 0.5
+    # --quiet shows no table, yet the records name the resume and the options it changed
+    changed = {"stage": [3, 1], "offload_fraction": [None, 0.5],
+               "out": [str(tmp_path / "a"), str(tmp_path / "b")]}
+    assert s["resumed"] == {"from_step": 2, "changed": changed}
+    assert [r.get("resumed") for r in records(tmp_path / "b")] == [s["resumed"], None]
+    # K = 1 is legal, and warned of once per run, with the start to use
+    err = capsys.readouterr().err
+    assert err.count("zerojax train: warning: --delayed-update 1 starts the delayed update "
+                     "within the first 40 steps") == 2 and "--delayed-update 40 or more" in err
     np.testing.assert_allclose(losses(tmp_path / "b"), losses(tmp_path / "a")[2:], rtol=1e-5)
 
 
@@ -491,6 +503,34 @@ def test_each_optimizer_trains_and_the_table_names_its_state(name, tmp_path, tok
     assert train.main([*argv, "--steps", "4", "--resume", "--quiet"]) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert (s["config"]["optimizer"], s["steps_done"]) == ("lion", 4)
+
+
+def test_a_resume_records_the_options_it_changes(tmp_path):
+    """`resume_changes`: every option the checkpoint recorded that the resume sets otherwise,
+    but how the process resumes; the run log carries them into the resumed run's first
+    record (metrics.jsonl only: not a scalar), and the summary holds them."""
+    from zerojax.app.records import summary
+    from zerojax.app.resume import resume_changes
+    from zerojax.app.runlog import RunLog
+
+    saved = dataclasses.asdict(options.TrainConfig(offload="optimizer", delayed_update=40))
+    cfg = options.TrainConfig(offload="optimizer", delayed_update=80, offload_fraction=0.5,
+                              stage=1, resume=True, resume_step=10, quiet=True, seq_len=128)
+    changed = resume_changes(saved | {"gone": 1}, cfg)
+    assert changed == {"stage": [3, 1], "delayed_update": [40, 80], "quiet": [False, True],
+                       "offload_fraction": [None, 0.5], "seq_len": [None, 128]}
+    log = RunLog(tmp_path, tensorboard=False, flops_per_step=1.0, peak_tflops=1.0)
+    log._note(resumed={"from_step": 10, "changed": changed})
+    for step in (11, 12):
+        log.step(step, {"loss": 2.0, "grad_norm": 1.0}, seconds=1.0)
+    log.close()
+    first, second = records(tmp_path)
+    assert first["resumed"] == {"from_step": 10, "changed": changed}
+    assert "resumed" not in second and "resumed" not in scalars(first)
+    s = summary(cfg, log.records, [1.0], 1, jax.devices()[:1], zj.make_mesh(data=1),
+                report.estimate_for(1, 1, 1, cfg), 0, 1.0, 0.0, 12, False,
+                resumed=first["resumed"])
+    assert s["resumed"] == first["resumed"]
 
 
 def test_cut_off_metrics_record_is_dropped(tmp_path):

@@ -4,6 +4,7 @@ leaves as the update's own computations tie them (update/parts.py); the numbers 
 offload. The host mesh is put on CPU devices 4-7 beside a mesh on 0-3, as a GPU's host is
 apart from it, so every leaf's home is a mesh of its own."""
 
+import math
 import re
 
 import jax
@@ -18,6 +19,7 @@ from test_state import BATCHES, Norm
 import zerojax as zj
 import zerojax.offload.host as host
 from zerojax.analysis.measurement import state_bytes, twin_flow_bytes
+from zerojax.app import options, report
 from zerojax.step import per_unit
 
 
@@ -83,6 +85,24 @@ def test_a_share_stays_on_the_devices_with_single_device_optaxs_numbers(apart):
     assert bytes_twin["total"] == bytes_full["total"]
     assert twin_flow_bytes(twin) == bytes_full["host"] - bytes_twin["host"] > 0
     assert twin_flow_bytes(full) == 0
+    # What `train` shows: the state measured on this device and its host twin, Twin-Flow's
+    # share with the device's (not left out); the host's share as applied (whole groups of
+    # leaves), and the estimate at that share.
+    measured, host = report.state_bytes_split(twin, state, mesh.devices.flat[0])
+    assert (measured, host) == (bytes_twin["total"], bytes_twin["host"])
+    assert measured - host == bytes_full["device"] + twin_flow_bytes(twin)
+    sizes = [math.prod(leaf.shape) for leaf in twin.layout.leaves]
+    applied = report.host_share(twin)
+    assert applied == 1 - sum(sizes[i] for i in device) / sum(sizes)
+    assert abs(applied - 0.5) < 0.05 and report.host_share(full) == 1.0
+    cfg = options.TrainConfig(model="test", stage=3, offload="optimizer", offload_fraction=0.5)
+    est = report.estimate_for(sum(sizes), 4, 3, cfg, 8.0, None, applied).memory
+    assert est.host == pytest.approx(bytes_twin["host"], rel=0.02)  # the shards' padding
+    assert report.offload_text(cfg, applied) == (
+        ", offload optimizer (Twin-Flow: 0.5 of it in host memory, the rest on the devices)")
+    assert report.offload_text(cfg, 0.4) == (
+        ", offload optimizer (Twin-Flow: 0.4 of it in host memory, the rest on the devices; "
+        "0.5 asked, the devices take whole groups of leaves as the update ties them)")
 
 
 @pytest.mark.slow  # two runs of four steps, a save, two restores (~25 CPU s)

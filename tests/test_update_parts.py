@@ -198,6 +198,11 @@ def test_a_small_model_is_one_part():
     assert parts_module.runs([8, 10, 1, 10, 4], 5, least=3) == [[0], [1, 2], [3], [4]]
     assert parts_module.runs([10, 10, 1], 3, least=3) == [[0], [1, 2]]
     assert parts_module.runs([1, 10, 8], 3, least=3) == [[0, 1], [2]]
+    # a run that lands exactly on the budget is whole (it is "at most" the budget), and the
+    # next starts a run of its own; with no `least`, no merge would hide a split too early
+    assert parts_module.runs([2, 2, 2, 2], 2) == [[0, 1], [2, 3]]
+    assert parts_module.runs([1, 3, 2, 2], 2) == [[0, 1], [2, 3]]
+    assert parts_module.runs([4, 1, 3, 4], 3) == [[0], [1, 2], [3]]
 
 
 @pytest.mark.slow  # two runs of four steps, a save and a restore (~20 CPU s)

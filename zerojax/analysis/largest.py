@@ -22,7 +22,16 @@ from zerojax.analysis.accounting import (
 )
 from zerojax.analysis.console import print_assumptions, print_table
 from zerojax.analysis.estimate_args import STAGES, EstimateError
-from zerojax.analysis.planning import named_optimizer
+from zerojax.analysis.planning import MARGIN, named_optimizer
+
+# The share of the host's memory `largest` keeps free, as the planner keeps MARGIN of the
+# device's: the host peak counts the state and the update's shards alone, and the host also
+# holds the operating system and its page cache, the training process's runtime (its Python,
+# jax's and the accelerator's libraries, compiled programs: 0.65-0.73 GB resident for a CPU
+# `train` of nano before its state, more with CUDA's libraries) and the data pipeline, none of
+# which an estimate of the state can know; and a process over the host's memory is killed
+# without a word, where a device's peak over its memory is an error.
+HOST_MARGIN = 0.10
 
 # GPT-3's shapes (Brown et al. 2020, table 2.1; 16 heads of 128 for 1.3B, whose table row is not
 # a whole head width) with d_ff = 4d, beside the presets; vocabulary and sequence length of the
@@ -178,7 +187,8 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             param_dtype: str = "bfloat16", stages=STAGES, remat=(True, False),
             family: dict[str, Any] | None = None, offload: str | None = None,
             host_memory: float | None = None, pinned: float | None = None,
-            optimizer=None, delayed_update: int | None = None) -> list[dict[str, Any]]:
+            optimizer=None, delayed_update: int | None = None,
+            host_margin: float = HOST_MARGIN) -> list[dict[str, Any]]:
     """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
     estimated peak fits `device_memory`, and the next larger one, which does not.
 
@@ -186,8 +196,9 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     8 bytes, which is what AdamW's init gives on every shape).
 
     With `offload` ("optimizer"), stage 0 (which cannot offload) is skipped and the peak is
-    device memory; `host_memory`, if given, must also hold each device's host peak
-    (`Fit.host_peak`: the state and the in-place update's gradient and compute shards), and
+    device memory; `host_memory`, if given, less `host_margin` of it (`HOST_MARGIN`), must
+    also hold each device's host peak (`Fit.host_peak`: the state and the in-place update's
+    gradient and compute shards), and
     `pinned` (XLA:GPU's pinned-host pool) the gradient shard on its way there (`Fit.pinned`).
     `delayed_update` (with `offload`) adds the pending update: its gradient shard to the
     host, the next compute shard to the device peak.
@@ -197,6 +208,8 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     family = gpt_family() if family is None else family
     k = {n: ADAM_BYTES if optimizer is None else state_per_param(optimizer, c)
          for n, c in family.items()}
+    if host_memory is not None:
+        host_memory *= 1 - host_margin
     rows = []
     for stage, rm in itertools.product(stages, remat):
         if offload is not None and stage == 0:
@@ -217,15 +230,17 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
 TWIN_STEP = 0.05  # Twin-Flow's host share, chosen in steps of this
 
 
-def twin_flow_fraction(fit: Fit, device_memory: float, step: float = TWIN_STEP) -> float:
+def twin_flow_fraction(fit: Fit, device_memory: float, step: float = TWIN_STEP,
+                       margin: float = MARGIN) -> float:
     """Twin-Flow's choice for an offloaded `fit`: the least `offload_fraction` (a multiple of
     `step`, at least `step`) whose devices' share of the host state (master, optimizer state,
-    a pending gradient) fits beside the estimated device peak in `device_memory`. The devices
+    a pending gradient) fits beside the estimated device peak in `device_memory` less
+    `margin` of it (the planner's `MARGIN`: the room the estimate leaves out). The devices
     update their share at their memory's bandwidth, so the less the host keeps, the less its
     update and the moves cost; 1.0 where no room is left."""
     if fit.host <= 0:
         return 1.0
-    room = max(device_memory - fit.peak, 0.0)
+    room = max(device_memory * (1 - margin) - fit.peak, 0.0)
     least = math.ceil(round((1 - room / fit.host) / step, 9)) * step
     return round(min(1.0, max(step, least)), 9)
 
@@ -261,13 +276,17 @@ def largest_main(p, a) -> int:
     if delayed is not None and a.offload == "off":
         p.error(f"--delayed-update {delayed} sizes the offload columns, which --offload off "
                 f"drops; use --offload auto")
+    host, host_margin = a.host_memory, getattr(a, "host_margin", HOST_MARGIN)
+    if host is not None and not host > 0:
+        p.error(f"--host-memory {host:g}: give the host memory per device that offload may "
+                f"use, e.g. 125GB, or leave it out (not limited)")
     try:
         pinned = None if a.pinned_limit == "none" else a.pinned_limit or pinned_limit()
         rows = largest(a.devices, a.memory, **kw)
         off = {} if a.offload == "off" else {
             (r["stage"], r["remat"]): r for r in largest(
-                a.devices, a.memory, **kw, offload="optimizer", host_memory=a.host_memory,
-                pinned=pinned, delayed_update=delayed)}
+                a.devices, a.memory, **kw, offload="optimizer", host_memory=host,
+                pinned=pinned, delayed_update=delayed, host_margin=host_margin)}
     except EstimateError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     dtype = a.param_dtype
@@ -303,7 +322,9 @@ def largest_main(p, a) -> int:
                "master and the optimizer state, (4 + K) bytes x Ψ/N per device")
             + "; host peak: that state + the gradient shard that comes down + the compute shard "
             "that goes up (the update runs in place), which must fit the host memory, "
-            + (f"at most {format_bytes(a.host_memory)}" if a.host_memory else "not limited")
+            + (f"at most {format_bytes(host * (1 - host_margin))} ({format_bytes(host)} "
+               f"less a {100 * host_margin:g}% margin for the operating system, the runtime "
+               f"and the data: --host-margin)" if host is not None else "not limited")
             + ", and XLA:GPU's pinned-host pool, "
             + (("not limited" if not pinned else f"at most {format_bytes(pinned)}")
                + (" (--pinned-limit)" if a.pinned_limit else
@@ -314,8 +335,8 @@ def largest_main(p, a) -> int:
                "in the device peak" if delayed is not None else "")
             + "; binds: the memories the next larger shape does not fit; Twin-Flow: the "
             f"least --offload-fraction (in steps of {TWIN_STEP}) whose devices' share of that "
-            "host state fits beside the device peak in the memory budget, so the devices "
-            "update that share")
+            f"host state fits beside the device peak in the memory budget less --margin "
+            f"({100 * a.margin:g}%), so the devices update that share")
     print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
                        f"{format_bytes(a.memory)} each", facts)
     if a.json:
@@ -323,14 +344,16 @@ def largest_main(p, a) -> int:
             out = {"fits": r["fits"] and r["fits"].as_dict(),
                    "next": r["next"] and r["next"].as_dict(), "binds": r["binds"]}
             if r["offload"] and r["fits"]:
-                out["twin_flow_fraction"] = twin_flow_fraction(r["fits"], a.memory)
+                out["twin_flow_fraction"] = twin_flow_fraction(r["fits"], a.memory,
+                                                               margin=a.margin)
             return out
 
         out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
                 "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
                for r in rows]
         print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
-                          "host_memory": a.host_memory, "pinned_limit": pinned,
+                          "host_memory": host, "host_margin": host_margin,
+                          "pinned_limit": pinned,
                           "param_dtype": dtype, "assumptions": facts, "largest": out},
                          indent=1))
         return 0 if any(r["fits"] for r in [*rows, *off.values()]) else 1
@@ -358,7 +381,8 @@ def largest_main(p, a) -> int:
                 "host peak": fmt(fo.host_peak) if fo else "-",
                 "host<->device": fmt(fo.transfer) if fo else "-",
                 "binds": " + ".join(o["binds"]) if o and o["binds"] else "-",
-                "Twin-Flow": f"--offload-fraction {twin_flow_fraction(fo, a.memory):.2f}"
+                "Twin-Flow": "--offload-fraction "
+                             f"{twin_flow_fraction(fo, a.memory, margin=a.margin):.2f}"
                              if fo else "-"})
     print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
                  f"each (estimated)", table)

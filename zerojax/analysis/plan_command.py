@@ -65,6 +65,9 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--host-memory", type=size_arg, default=None,
                    help="--largest: host memory per device that offload may use, e.g. 125GB "
                         "(default: not limited)")
+    p.add_argument("--host-margin", type=percent_arg, default="10%",
+                   help="--largest: host memory kept free for the operating system, the "
+                        "runtime and the data: a host peak fits in the rest (e.g. 10%%, 0)")
     p.add_argument("--pinned-limit", type=pinned_arg, default=None,
                    help="--largest: XLA:GPU's pinned-host pool per device, which offload's "
                         "gradient shard on its way to the host must fit, e.g. 110GiB, or none "

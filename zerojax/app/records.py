@@ -95,11 +95,14 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, wall_s,
             eval_s, step, interrupted, flops: dict[str, Any] | None = None,
             host_update: str | None = None,
-            host_memory: dict[str, int] | None = None) -> dict[str, Any]:
+            host_memory: dict[str, int] | None = None,
+            resumed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The contents of `summary.json`; `flops`: the model FLOPs per step (`per_step`), their
     `formula`, and the per-device `peak_tflops` (or None) and where it comes from;
     `host_update`: `Engine.host_update` (offload: "fused" or "xla: <why>"); `host_memory`:
-    `runlog.host_memory()` at the end (this process's resident set and its peak)."""
+    `runlog.host_memory()` at the end (this process's resident set and its peak); `resumed`:
+    a resume's step and the options it changed ({"from_step", "changed": {option: [saved,
+    now]}}), None for a fresh run."""
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     steady = times[1:] or times
@@ -109,6 +112,7 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
         perf |= throughput(flops["per_step"], mean_step, len(devices), flops["peak_tflops"])
     return {
         "config": dataclasses.asdict(cfg),
+        "resumed": resumed,
         "steps_done": step,
         "interrupted": interrupted,
         "final_loss": train[-1]["loss"] if train else None,

@@ -4,6 +4,7 @@ writes: records.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -55,14 +56,29 @@ def state_bytes_per_device(state, device: jax.Device) -> int:
 def state_bytes_split(engine, state, device: jax.Device) -> tuple[int, int]:
     """(bytes of `device`'s shards of `state`, of which in host memory): with offload the
     master, optimizer state and pending update count on `device`'s twin on the engine's host
-    mesh (on a machine of CPU devices, the device itself)."""
+    mesh (on a machine of CPU devices, the device itself), but for Twin-Flow's share, which
+    counts on `device` with the rest."""
     hosted = engine.host_part(state)
     if not hosted:
         return state_bytes_per_device(state, device), 0
     (at,) = [i for i, d in np.ndenumerate(engine.mesh.devices) if d == device]
     host = state_bytes_per_device(hosted, engine.host_mesh.devices[at])
-    rest = state._replace(master=None, opt_state=None, pending=None)
+    on_host = {id(x) for x in jax.tree.leaves(hosted)}
+    rest = [x for x in jax.tree.leaves(state) if id(x) not in on_host]
     return state_bytes_per_device(rest, device) + host, host
+
+
+def host_share(engine) -> float | None:
+    """With offload, the share of the params (by count) whose master and optimizer state the
+    host holds, as Twin-Flow applied `offload_fraction` (whole groups of leaves, as the update
+    ties them: `offload/twin_flow.py`); None without offload."""
+    state = engine.abstract_state()
+    hosted = engine.host_part(state)
+    if not hosted:
+        return None
+    on_host = jax.tree.leaves(hosted[0], is_leaf=lambda x: x is None)  # None: the devices'
+    sizes = [math.prod(leaf.shape) for leaf in engine.layout.leaves]
+    return sum(n for n, x in zip(sizes, on_host, strict=True) if x is not None) / sum(sizes)
 
 
 def startup_table(rows: list[tuple[str, str]], title: str) -> Table:
@@ -209,11 +225,12 @@ def _clock(seconds: float) -> str:
 
 
 def estimate_for(num_params: int, devices: int, stage: int, cfg,
-                 state_bytes: float = ADAM_BYTES, split_params: int | None = None
-                 ) -> RunEstimate:
+                 state_bytes: float = ADAM_BYTES, split_params: int | None = None,
+                 applied: float | None = None) -> RunEstimate:
     """This run's per-device model-state bytes by formula (`state_estimate`) for its optimizer
     (`cfg.optimizer`, default adamw) whose state takes `state_bytes` per param; with
-    `cfg.model_parallel` > 1 the `split_params` are divided over data × model."""
+    `cfg.model_parallel` > 1 the `split_params` are divided over data × model; `applied`: the
+    host's share as Twin-Flow applied it (`host_share`), else `cfg.offload_fraction`'s."""
     offload = getattr(cfg, "offload", None)
     memory = state_estimate(num_params, devices, stage, cfg.param_dtype, replica=cfg.replica,
                             offload=offload, optimizer_state_bytes=state_bytes,
@@ -222,7 +239,8 @@ def estimate_for(num_params: int, devices: int, stage: int, cfg,
                             quantize_grads=getattr(cfg, "quantize_grads", None),
                             model=getattr(cfg, "model_parallel", 1), split_params=split_params,
                             delayed_update=getattr(cfg, "delayed_update", None),
-                            offload_fraction=getattr(cfg, "offload_fraction", None) or 1.0)
+                            offload_fraction=applied or getattr(cfg, "offload_fraction",
+                                                                None) or 1.0)
     grad_dtype = "float32" if getattr(cfg, "quantize_grads", None) else None
     return RunEstimate(memory, cfg.param_dtype, shares_master(cfg.param_dtype, stage, offload),
                        offload, getattr(cfg, "optimizer", None) or "adamw", state_bytes,
@@ -246,9 +264,9 @@ def host_need(cfg, model, optimizer, devices, process: int) -> tuple[float, RunE
     return estimate.memory.host_peak * mine, estimate
 
 
-def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
-                 start: int) -> list[tuple[str, str]]:
-    """The facts a run prints before it starts."""
+def startup_rows(cfg, model, num_params: int, devices, mesh, data: str, start: int,
+                 applied: float | None = None) -> list[tuple[str, str]]:
+    """The facts a run prints before it starts (`applied`: `host_share`)."""
     c = model.cfg
     per_device = cfg.batch // (len(devices) // getattr(cfg, "model_parallel", 1))
     processes = len({d.process_index for d in devices})
@@ -263,7 +281,7 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
         ("ZeRO", f"stage {cfg.stage}, {cfg.param_dtype} compute, "
                  f"{'remat' if cfg.remat else 'no remat'}"
                  + (", prefetch" if cfg.prefetch else "")
-                 + offload_text(cfg)
+                 + offload_text(cfg, applied)
                  + zeropp_text(cfg)
                  + (f", clip {cfg.clip_norm:g}" if cfg.clip_norm else "")
                  + (f", grad_accum {cfg.grad_accum}" if cfg.grad_accum > 1 else "")),
@@ -278,14 +296,20 @@ def startup_rows(cfg, model, num_params: int, devices, mesh, data: str,
     ]
 
 
-def offload_text(cfg) -> str:
-    """The offload options of a run, as the start-up table's ZeRO row lists them."""
+def offload_text(cfg, applied: float | None = None) -> str:
+    """The offload options of a run, as the start-up table's ZeRO row lists them; `applied`:
+    the host's share as Twin-Flow applied the asked `offload_fraction` (`host_share`)."""
     if not cfg.offload:
         return ""
-    fraction = getattr(cfg, "offload_fraction", None) or 1.0
+    asked = getattr(cfg, "offload_fraction", None) or 1.0
+    share = asked if applied is None else applied
     k = getattr(cfg, "delayed_update", None)
-    where = ("host memory" if fraction == 1 else
-             f"Twin-Flow: {fraction:g} of it in host memory, the rest on the devices")
+    where = "host memory" if share == 1 else (
+        f"Twin-Flow: {share:{'g' if applied is None else '.2g'}} of it in host memory, the "
+        f"rest on the devices")
+    if abs(share - asked) >= 5e-3:
+        where += (f"; {asked:g} asked, the devices take whole groups of leaves as the update "
+                  f"ties them")
     delayed = ("" if k is None else ", delayed update from the first step" if k == 0 else
                f", delayed update after {k} ordinary step{'s' * (k != 1)}")
     return f", offload {cfg.offload} ({where}){delayed}"

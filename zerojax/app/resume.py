@@ -88,6 +88,19 @@ def supersede_steps(ckpt: Path, after: int) -> tuple[list[int], Path]:
     return later, dest
 
 
+# How a process runs, not what it trains: never among a resume's changed options.
+RESUME_OPTIONS = ("resume", "resume_step", "config")
+
+
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> dict[str, list]:
+    """The options a resume changes from the run its checkpoint saved (`saved`: its
+    `train_config`): {option: [saved, now]}, every option the checkpoint records but those of
+    `RESUME_OPTIONS`."""
+    now = dataclasses.asdict(cfg)
+    return {k: [saved[k], v] for k, v in now.items()
+            if k in saved and k not in RESUME_OPTIONS and saved[k] != v}
+
+
 def saved_config(train_config: dict[str, Any]) -> TrainConfig:
     """The TrainConfig a checkpoint's `train_config` record describes (unknown keys dropped)."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}

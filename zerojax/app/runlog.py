@@ -74,6 +74,7 @@ class RunLog:
                                           engine.config.param_dtype)[0]
         self.peak, self.flops_per_step = peak_tflops, flops_per_step
         self._over_peak = False  # warned once that the MFU exceeds 100 %
+        self._carry: dict[str, Any] = {}  # fields the next step's record carries (`_note`)
         self._flops: dict = {}  # batch shapes -> model FLOPs of a step
         self.title = title or (f"{type(engine.model).__name__}, stage {engine.config.stage}, "
                                f"{self.devices} devices ({mesh_text(engine.mesh)})"
@@ -134,8 +135,15 @@ class RunLog:
         rec |= {k: v for k, v in values.items() if k not in _OWN}
         if eval_loss is not None:
             rec["eval_loss"] = float(eval_loss)
+        rec |= self._carry
+        self._carry = {}
         self._write(rec)
         return rec
+
+    def _note(self, **fields) -> None:
+        """Fields (not scalars: no sink but metrics.jsonl shows them) that the next step's
+        record carries: `train`'s note of a resume and the options it changed."""
+        self._carry |= fields
 
     def eval(self, step: int, loss: float) -> dict[str, Any]:
         """Writes and returns a record of an evaluation alone (e.g. at step 0, before

@@ -162,16 +162,20 @@ class WandbSink:
     `out/wandb/superseded/`, so `out/wandb` holds one run file with every record once (what
     `wandb sync` uploads). Online, the run's server already holds the steps up to its last
     one (`run.starting_step`), which W&B will not rewrite: only the records from there are
-    replayed."""
+    replayed. A fresh start (step 0) where a run left its id (a run killed before its first
+    checkpoint, which `train` starts again without --resume) makes a run of its own and moves
+    that run's local directories aside too: `metrics.jsonl` and the TensorBoard files start
+    again as well, and `wandb sync` would upload both."""
 
     def __init__(self, out: Path, project: str, start: int, earlier: list[dict[str, Any]],
                  config: dict[str, Any]):
         import wandb
 
         id_file = out / WANDB_ID
-        run_id = id_file.read_text().strip() or None if start and id_file.is_file() else None
-        if run_id is not None:
-            supersede_wandb_runs(out / "wandb", run_id)
+        last = id_file.read_text().strip() or None if id_file.is_file() else None
+        if last is not None:
+            supersede_wandb_runs(out / "wandb", last)
+        run_id = last if start else None
         self.run = wandb.init(project=project, dir=str(out), config=config, resume="allow",
                               id=run_id, name=out.name)
         replace_file(id_file, (self.run.id + "\n").encode())
@@ -192,7 +196,8 @@ class WandbSink:
 
 def supersede_wandb_runs(directory: Path, run_id: str) -> list[Path]:
     """Moves the local run directories of W&B run `run_id` (`offline-run-DATE-ID`,
-    `run-DATE-ID`) to `directory/superseded/`: a resumed process writes the whole run again."""
+    `run-DATE-ID`) to `directory/superseded/`: a resumed process writes the whole run again,
+    a fresh one a run of its own."""
     moved = []
     runs = sorted(directory.glob(f"*run-*-{run_id}")) if directory.is_dir() else []
     for path in runs:

@@ -36,6 +36,7 @@ from zerojax.app.resume import (
     drop_cut_off_record,
     intact_hint,
     missing_metrics_note,
+    resume_changes,
     saved_config,
     schedule_note,
     supersede_steps,
@@ -130,7 +131,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax.app import records, report
     from zerojax.app.data import TokenBatches
     from zerojax.app.runlog import PeakWarning, RunLog, host_memory, mesh_text, over_peak
-    from zerojax.config import ZeroConfig
+    from zerojax.config import DelayWarning, ZeroConfig, delay_advice
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
     from zerojax.models import get_model
@@ -150,12 +151,18 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     stage, prefetch = cfg.stage, cfg.prefetch
     if cfg.xla_overlap and devices[0].platform != "gpu":
         notes.append(f"--xla-overlap: GPU flags, no effect on {devices[0].platform}")
-    zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
-                      clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
-                      offload=cfg.offload, quantize_weights=cfg.quantize_weights,
-                      quantize_grads=cfg.quantize_grads, hpz=cfg.hpz,
-                      delayed_update=cfg.delayed_update,
-                      offload_fraction=cfg.offload_fraction or 1.0)
+    advice = cfg.delayed_update is not None and delay_advice(cfg.delayed_update, cfg.warmup,
+                                                             "--delayed-update ")
+    if advice and lead:  # the command line's own line, not ZeroConfig's DelayWarning
+        print(f"zerojax train: warning: {advice}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DelayWarning)
+        zcfg = ZeroConfig(stage=stage, param_dtype=cfg.param_dtype, grad_accum=cfg.grad_accum,
+                          clip_norm=cfg.clip_norm, remat=cfg.remat, prefetch=prefetch,
+                          offload=cfg.offload, quantize_weights=cfg.quantize_weights,
+                          quantize_grads=cfg.quantize_grads, hpz=cfg.hpz,
+                          delayed_update=cfg.delayed_update,
+                          offload_fraction=cfg.offload_fraction or 1.0)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
         from zerojax.checkpoint.load import MisnamedStep, misnamed_note
@@ -189,8 +196,9 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         start = int(state.step)
         check_resume_before_steps(cfg, start)
         old = read_metadata(ckpt, start)["extra"].get("train_config", {})
-        changed = [f"{k} {old[k]!r} → {v!r}" for k, v in extra["train_config"].items()
-                   if k in TRAJECTORY and k in old and old[k] != v]
+        resumed = {"from_step": start, "changed": resume_changes(old, cfg)}
+        changed = [f"{k} {a!r} → {b!r}" for k, (a, b) in resumed["changed"].items()
+                   if k in TRAJECTORY]
         if changed:
             notes.append("resumed with other options than saved: " + ", ".join(changed))
         if old and start < cfg.steps:
@@ -211,19 +219,19 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         if start == cfg.steps:
             notes.append(f"already at step {start} of --steps {cfg.steps}: nothing to train")
     else:
-        state = engine.init(jax.random.key(cfg.seed), batches.batch(0))
+        state, resumed = engine.init(jax.random.key(cfg.seed), batches.batch(0)), None
     start = int(state.step)
 
     num_params = engine.layout.num_params
     mine = next(d for d in mesh.devices.flat if d.process_index == pi)
     measured, measured_host = report.state_bytes_split(engine, state, mine)
-    split = report.split_params(engine)
+    split, applied = report.split_params(engine), report.host_share(engine)
     estimate = report.estimate_for(num_params, len(devices), stage, cfg,
-                                   optimizer_state_size(engine).per_param, split)
+                                   optimizer_state_size(engine).per_param, split, applied)
     step_flops = flops.step_flops(engine, batches.batch(start))
     peak, peak_from = flops.run_peak(devices[0], cfg.param_dtype, cfg.peak_tflops)
     console.print(report.startup_table(
-        report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start)
+        report.startup_rows(cfg, model, num_params, devices, mesh, data_desc, start, applied)
         + report.model_rows(engine)
         + ([("host update", report.host_update_text(engine.host_update))]
            if engine.host_update else [])
@@ -246,6 +254,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                                                  "flops_per_step": step_flops,
                                                  "peak_tflops": peak},
                  peak_tflops=peak, flops_per_step=step_flops, title=title)
+    if resumed:  # in the resumed run's first record, whatever --quiet says
+        log._note(resumed=resumed)
     tokens_per_step = cfg.batch * cfg.seq_len
     show = report.Reporter(console, cfg.steps, start, enabled=not cfg.quiet)
     stop = _Stop()
@@ -328,7 +338,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                               measured, time.perf_counter() - t_start, eval_s, step, interrupted,
                               flops={"per_step": step_flops, "formula": flops.formula(model),
                                      "peak_tflops": peak, "peak_from": peak_from},
-                              host_update=engine.host_update, host_memory=host_memory())
+                              host_update=engine.host_update, host_memory=host_memory(),
+                              resumed=resumed)
     if lead:
         records.finish(out, summary)
     if watch is not None:

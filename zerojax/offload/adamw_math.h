@@ -34,9 +34,9 @@ template <> inline BF16 Store<BF16>(float f) {  // round to nearest even; a NaN 
 }
 
 // The step's scalars, in the order fused.py stacks them. a1 = 1 - b1 and a2 = 1 - b2 as optax
-// rounds them (from float64); r1, r2: the reciprocals of the bias corrections 1 - b**t (the
-// engine's program divides by them as XLA's simplifier rewrites a divide by a broadcast
-// scalar: a multiply by its reciprocal); lr: the signed step (-learning rate); scale: the
+// rounds them (from float64); r1, r2: the reciprocals of the bias corrections 1 - b**t (as
+// XLA's simplifier rewrites some programs' divide by a broadcast scalar, not every one's:
+// docs/stages.md says how far the two roundings part); lr: the signed step (-lr); scale: the
 // gradient's (1 / divisor, clipped); decay: whether this leaf gets weight decay (its mask).
 struct Step { float a1, b1, a2, b2, eps, eps_root, r1, r2, wd, decay, lr, scale, ok; };
 constexpr int64_t kScalars = 13;

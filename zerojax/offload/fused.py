@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import numbers
 import os
 import platform
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax.errors import ConfigError
 from zerojax.update import grad_scale
 
 SOURCE = Path(__file__).with_name("fused_adamw.cc")
@@ -73,11 +75,21 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     """`optax.adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mask)`, itself (the
     same numbers wherever it runs), which an engine with `offload="optimizer"` runs on the
     host as one fused pass per leaf (this module's docstring)."""
+    if isinstance(learning_rate, numbers.Real) and not math.isfinite(learning_rate):
+        raise ConfigError(f"zerojax.adamw: learning_rate={learning_rate!r} must be a finite "
+                          f"number or a schedule")
     for name, x in (("b1", b1), ("b2", b2), ("eps", eps), ("eps_root", eps_root),
                     ("weight_decay", weight_decay)):
         if not isinstance(x, numbers.Real):
             raise TypeError(f"zerojax.adamw: {name} must be a float, got {x!r}; for a "
                             f"schedule or an array use optax.adamw")
+        if not math.isfinite(x):
+            raise ConfigError(f"zerojax.adamw: {name}={x!r} must be a finite number (optax "
+                              f"takes it as given: with nan every param is NaN after the "
+                              f"first update)")
+        if name in ("b1", "b2") and not 0 <= x < 1:
+            raise ConfigError(f"zerojax.adamw: {name}={x!r} must be in [0, 1), a moment's "
+                              f"decay (at 1 the bias correction 1 - {name}**t is zero)")
     tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                      weight_decay=weight_decay, mask=mask)
     _SPECS[tx.update] = AdamWSpec(learning_rate, float(b1), float(b2), float(eps),
@@ -201,8 +213,9 @@ class FusedAdamW:
         scale = grad_scale(denom, norm, self.how.clip_norm)  # the step's, as its program has it
         old = {self.count: state[self.count]}
         count = optax.safe_increment(old[self.count])
-        # the reciprocals of optax.tree.bias_correction's 1 - decay**count: the engine's
-        # program multiplies by them (XLA rewrites its divide by a broadcast scalar so)
+        # the reciprocals of optax.tree.bias_correction's 1 - decay**count, multiplied by as
+        # XLA rewrites some programs' divide by a broadcast scalar (not every program's: the
+        # numbers are optax's formula in another rounding, docs/stages.md)
         r1, r2 = 1 / (1 - s.b1 ** count), 1 / (1 - s.b2 ** count)
         new = {self.count: count}
         if self.rate is not None:  # scale_by_learning_rate's schedule: -1 * lr(count)

@@ -181,8 +181,9 @@ class ShardedUpdate:
         fn = lambda *a: step_update(self.optimizer, self.how, *a)
         try:
             closed = jax.make_jaxpr(fn)(*args)
-        except TypeError as e:
-            if "value_fn" in str(e) or "obj_fn" in str(e) or "grad" in str(e):
+        except (TypeError, ValueError) as e:  # optax says so in either (sophia: ValueError)
+            if "value_fn" in str(e) or "obj_fn" in str(e) or (
+                    isinstance(e, TypeError) and "grad" in str(e)):
                 raise ConfigError(f"this optimizer needs the loss function itself ({e}); the "
                                   f"engine passes value= (the global loss) only: use another "
                                   f"optimizer") from None
