@@ -436,3 +436,21 @@ def test_a_state_over_the_cap_streams_where_whole_it_is_killed():
     sizes = nvme_memcap.sizes_for(1.5 * res["cap"])
     assert step["read"] == step["written"] == layout(sizes)[1]
     assert whole["oom_killed"] and whole["rc"] == -9 and res["holds"]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(stage=1, offload_device="nvme"), "needs offload='optimizer'"),
+    (dict(stage=1, offload="optimizer", offload_device="nvme"), "needs nvme_path"),
+    (dict(stage=1, offload="optimizer", nvme_path="/x"), "needs offload_device='nvme'"),
+    (dict(stage=1, offload_device="disk"), "not an offload device"),
+    (dict(stage=1, nvme_buffer_size=1000), "multiple of 1024"),
+    (dict(stage=1, nvme_buffer_size=1024.0), "must be a positive multiple"),
+    (dict(stage=1, nvme_buffer_count=1), ">= 2"),
+])
+def test_the_nvme_options_refuse_what_cannot_run(kwargs, says):
+    with pytest.raises(zj.ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        zj.ZeroConfig(**kwargs)
+    cfg = zj.ZeroConfig(stage=1, offload="optimizer", offload_device="nvme",
+                        nvme_path=Path("/tmp/store"), nvme_buffer_size=4096)
+    assert (cfg.nvme_path, cfg.nvme_buffer_size, cfg.nvme_buffer_count) == (
+        "/tmp/store", 4096, 4)

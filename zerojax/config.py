@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -13,6 +14,9 @@ from zerojax.precision import dtype_name
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("optimizer",)
+OFFLOAD_DEVICES = ("cpu", "nvme")  # DeepSpeed's offload_optimizer.device
+NVME_BUFFER_SIZE, NVME_BUFFER_COUNT = 1 << 20, 4  # the NVMe ring: measured (docs/nvme.md)
+NVME_UNIT = 1024  # float32 per O_DIRECT 4 KiB: a buffer holds a whole number of them
 WEIGHT_FORMATS = ("int8",)  # qwZ
 GRAD_FORMATS = ("int8", "int4")  # qgZ
 QUANT_BLOCK = 256  # elements per quantization block: a float32 scale adds 1/64 byte each
@@ -56,6 +60,14 @@ class ZeroConfig:
         memory and the devices update it (whole leaves, as the update's own computations
         group them: an optimizer whose chain holds a global norm cannot be split; clip with
         `clip_norm`), while the host updates its share (docs/stages.md).
+    offload_device: with offload="optimizer", where the host's share of the master and
+        optimizer state lives: "cpu" (default: host memory) or "nvme" (ZeRO-Infinity: in files
+        under `nvme_path`, streamed through the host's update every step; docs/nvme.md).
+    nvme_path: with offload_device="nvme", the directory of this process's store (on a fast
+        local disk); a working copy, never a checkpoint.
+    nvme_buffer_size, nvme_buffer_count: the NVMe update's ring: elements per buffer (a
+        multiple of 1024; each buffer holds that many of master, mu and nu) and buffers per
+        device shard (>= 2).
     quantize_weights: ZeRO++ qwZ, stages 1-3: None, or "int8": every all_gather of compute
         params (stage 3's per-layer gathers, forward and backward; the refresh of stages 1-2)
         sends block-quantized int8 values and a float32 scale per block, dequantized to
@@ -88,6 +100,10 @@ class ZeroConfig:
     hpz: bool = False
     delayed_update: int | None = None
     offload_fraction: float = 1.0
+    offload_device: str = "cpu"
+    nvme_path: str | None = None
+    nvme_buffer_size: int = NVME_BUFFER_SIZE
+    nvme_buffer_count: int = NVME_BUFFER_COUNT
 
     def __post_init__(self):
         stage = _integer("stage", self.stage)
@@ -129,6 +145,7 @@ class ZeroConfig:
                               f"no shard to offload")
         self._check_delayed()
         self._check_fraction()
+        self._check_nvme()
         self._check_zeropp()
 
     def _check_delayed(self) -> None:
@@ -164,6 +181,45 @@ class ZeroConfig:
                               f"{self.offload!r}): it splits the offloaded update between the "
                               f"host and the devices; add offload='optimizer', or drop "
                               f"offload_fraction")
+
+    def _check_nvme(self) -> None:
+        """`offload_device`, `nvme_path` and the NVMe ring's sizes."""
+        dev = self.offload_device
+        if not isinstance(dev, str) or dev not in OFFLOAD_DEVICES:
+            raise ConfigError(f"offload_device={dev!r} is not an offload device; use one of "
+                              f"{OFFLOAD_DEVICES}")
+        path = self.nvme_path
+        if path is not None:
+            if not isinstance(path, (str, os.PathLike)) or not str(path):
+                raise ConfigError(f"nvme_path={path!r} must be a directory's path (a str or "
+                                  f"Path), or None")
+            object.__setattr__(self, "nvme_path", os.fspath(path))
+        size = _integer("nvme_buffer_size", self.nvme_buffer_size,
+                        f"a positive multiple of {NVME_UNIT} (elements per buffer)")
+        if size <= 0 or size % NVME_UNIT:
+            raise ConfigError(f"nvme_buffer_size={size} must be a positive multiple of "
+                              f"{NVME_UNIT} elements (O_DIRECT's 4 KiB of float32); the "
+                              f"default is {NVME_BUFFER_SIZE}")
+        count = _integer("nvme_buffer_count", self.nvme_buffer_count, "an integer >= 2")
+        if count < 2:
+            raise ConfigError(f"nvme_buffer_count={count} must be >= 2 (one buffer updated "
+                              f"while another is read or written); the default is "
+                              f"{NVME_BUFFER_COUNT}")
+        object.__setattr__(self, "nvme_buffer_size", size)
+        object.__setattr__(self, "nvme_buffer_count", count)
+        if dev == "nvme":
+            if self.offload != "optimizer":
+                raise ConfigError(f"offload_device='nvme' needs offload='optimizer' (got "
+                                  f"offload={self.offload!r}): the disk holds the offloaded "
+                                  f"optimizer state; add offload='optimizer'")
+            if path is None:
+                raise ConfigError("offload_device='nvme' needs nvme_path: the directory of "
+                                  "this process's store, on a fast local disk (e.g. "
+                                  "nvme_path='/local_nvme/zerojax')")
+        elif path is not None:
+            raise ConfigError(f"nvme_path={path!r} needs offload_device='nvme' (got "
+                              f"offload_device={dev!r}); add offload_device='nvme', or drop "
+                              f"nvme_path")
 
     def _check_zeropp(self) -> None:
         """The ZeRO++ options (qwZ, qgZ, hpZ) and how they combine with the others."""

@@ -64,6 +64,10 @@ class Engine:
         self.replica, self.data = mesh_sizes(mesh)
         self.model_parallel = model_size(mesh)
         config.check_mesh(self.replica)
+        if config.offload_device == "nvme":
+            raise ConfigError("offload_device='nvme': the NVMe tier's store and streamed "
+                              "update exist (docs/nvme.md) but no engine runs them yet; use "
+                              "offload_device='cpu'")
         self.axes = batch_axes(mesh)  # the step is manual over these; "model" is automatic
         self.plan: StepPlan | None = None
         self._step_fn = None
