@@ -1,5 +1,6 @@
 """Accumulation, hybrid meshes, reduction dtype, optimizer structure, evaluation vs optax."""
 
+import dataclasses
 import functools
 
 import jax
@@ -192,3 +193,56 @@ def test_stacks_of_different_depths(variant):
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_tree_close(params, ref_params, rtol=RTOL, atol=ATOL)
     assert losses[-1] < losses[0]
+
+
+def test_a_second_init_keeps_the_plan_and_programs_bitwise():
+    """An engine initialized again on the units it has keeps its plan and its programs (its
+    init, step and evaluation trace nothing again): its states, losses and params are
+    bitwise those of its first init and of a fresh engine's, from `init` and from
+    `init_from`. Other units make a plan of their own."""
+    model = ScanAndGather()
+    r = np.random.default_rng(0)
+    batches = [{"x": r.normal(size=(8, 3)).astype(np.float32),
+                "y": r.normal(size=(8, 1)).astype(np.float32)} for _ in range(2)]
+    make = lambda: zj.Engine(model, adamw(), zj.make_mesh(data=4),  # noqa: E731
+                             zj.ZeroConfig(stage=3, clip_norm=CLIP))
+
+    def run(eng, init):
+        states, losses = [init(eng)], []
+        for b in batches:
+            state, m = eng.step(jax.tree.map(jnp.copy, states[-1]), b)
+            states.append(state)
+            losses.append(m["loss"])
+        evals = eng.evaluate(states[-1], batches[0])
+        host = lambda t: [np.asarray(jax.random.key_data(x) if jnp.issubdtype(  # noqa: E731
+            x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree.leaves(t)]
+        return [host(s) for s in states], host(losses), host(eng.params(states[-1])), host(evals)
+
+    def bitwise(a, b):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8),
+                                          np.atleast_1d(y).view(np.uint8))
+
+    eng = make()
+    first = run(eng, lambda e: e.init(jax.random.key(0), batches[0]))
+    plan, programs = eng.plan, dict(eng._jit_cache)
+    traced = {name: f._cache_size() for name, (_, f) in programs.items()}
+    assert {"init", "step", "evaluate", "params"} <= set(programs)
+    bitwise(run(eng, lambda e: e.init(jax.random.key(0), batches[0])), first)
+    assert eng.plan is plan and all(eng._jit_cache[k][1] is f for k, (_, f) in programs.items())
+    assert {name: f._cache_size() for name, (_, f) in programs.items()} == traced
+    bitwise(run(make(), lambda e: e.init(jax.random.key(0), batches[0])), first)
+    # init_from on the same units: the same plan, its own program made once
+    tree = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(model.init, jax.random.key(0))),
+                              first[2])  # the trained params
+    from_params = run(eng, lambda e: e.init_from(tree, batches[0]))
+    assert eng.plan is plan
+    bitwise(run(eng, lambda e: e.init_from(tree, batches[0])), from_params)
+    bitwise(run(make(), lambda e: e.init_from(tree, batches[0])), from_params)
+    # other units (the stack taken as one gathered leaf): a plan and programs of their own
+    leaves = tuple(dataclasses.replace(leaf, stacked=False) for leaf in eng.layout.leaves)
+    assert leaves != eng.layout.leaves
+    eng.set_units(leaves, eng.layout.treedef)
+    assert eng.plan is not plan and not any(leaf.stacked for leaf in eng.layout.leaves)
+    assert eng._compiled_step() is not programs["step"][1]

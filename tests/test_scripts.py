@@ -139,8 +139,8 @@ def test_evaluate_on_replica_by_data_is_the_plain_mean_and_pads_count_for_nothin
         assert float(e.evaluate(state, {"x": x[:n]})["loss"]) == pytest.approx(
             float(np.mean(v[:n])), rel=1e-6), n
     part = {"x": np.concatenate([x[:2], np.full((2, 3), np.nan, np.float32)])}
-    got = e._eval_fn(state, put_batch(part, e.mesh),
-                     put_batch(np.array([1, 1, 0, 0], np.float32), e.mesh), 0)
+    got = e._jit_cache["evaluate"][1](state, put_batch(part, e.mesh),  # the compiled evaluation
+                                      put_batch(np.array([1, 1, 0, 0], np.float32), e.mesh), 0)
     assert float(got["loss"]) == pytest.approx(float(v[0] + v[1]), rel=1e-6)
 
 

@@ -69,9 +69,7 @@ class Engine:
                               "update exist (docs/nvme.md) but no engine runs them yet; use "
                               "offload_device='cpu'")
         self.axes = batch_axes(mesh)  # the step is manual over these; "model" is automatic
-        self.plan: StepPlan | None = None
-        self._step_fn = None
-        self._eval_fn = None
+        self.plan: StepPlan | None = None  # its programs: `_jitted`, made once per plan
         # offload: where its state lives and its programs on the device and host meshes
         # (offload/host.py); the same object runs delayed_update's, and says which one a
         # state's next step runs
@@ -95,8 +93,6 @@ class Engine:
         """Adopts a known unit layout (e.g. recorded in a checkpoint) without tracing the loss;
         the leaves are split over the mesh's `model` axis as the model's annotations say."""
         self.plan = step_plan(self, leaves, treedef)
-        self._step_fn = None
-        self._eval_fn = None
 
     @property
     def host_mesh(self):
@@ -194,7 +190,7 @@ class Engine:
             return self._to_state(self.model.init(r), train_key,
                                   logical.init_model_state(self.model, state_key))
 
-        return self._built(build, rng)
+        return self._built("init", build, rng)
 
     def init_from(self, params, batch, *, rng: jax.Array | None = None,
                   model_state: Any = None) -> TrainState:
@@ -219,21 +215,23 @@ class Engine:
         # The given params 1/N per device, as a checkpoint's logical leaves are: a replicated
         # argument would put a whole fp32 copy on every device (or host device).
         homes = jax.tree.map(lambda x: x.sharding, self.logical_target()["params"])
-        return self._built(build, params, rng, model_state, homes=(homes, None, None))
+        return self._built("init_from", build, params, rng, model_state,
+                           homes=(homes, None, None))
 
-    def _built(self, build, *args, homes=None) -> TrainState:
-        """The state `build(*args)` makes, jitted, each part where it lives; `homes`: per
-        argument, the shardings on this engine's mesh to read it from (None: replicated)."""
+    def _built(self, name, build, *args, homes=None) -> TrainState:
+        """The state `build(*args)` makes, jitted once per plan, each part where it lives; `homes`:
+        per argument, the shardings on this engine's mesh to read it from (None: replicated)."""
         homes = (None,) * len(args) if homes is None else homes
         if self._offload is None:
             args = put_global(args, homes, self.mesh)
-            return jax.jit(build, out_shardings=self.state_shardings())(*args)
+            return self._jitted(name, lambda: jax.jit(
+                build, out_shardings=self.state_shardings()))(*args)
         return self._offload.built(build, args, homes)
 
     # ---------------------------------------------------------------- the step
 
     def _compiled_step(self):
-        if self._step_fn is None:
+        def make():
             specs = self._manual_specs()
             body = jax.shard_map(partial(local_step, self.plan), mesh=self.mesh,
                                  in_specs=(specs, P(self.axes)), out_specs=(specs, P()),
@@ -242,9 +240,10 @@ class Engine:
             # output (an optimizer's step count) may otherwise come back typed as device.
             # keep_unused: a state leaf the update never reads (an optimizer's placeholder) is
             # still an argument, so that the arguments keep the memory kinds of the state.
-            self._step_fn = jax.jit(body, donate_argnums=0, keep_unused=True,
-                                    out_shardings=(self.state_shardings(), None))
-        return self._step_fn
+            return jax.jit(body, donate_argnums=0, keep_unused=True,
+                           out_shardings=(self.state_shardings(), None))
+
+        return self._jitted("step", make)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on the global `batch` (this process's slice in multi-process runs).
@@ -280,14 +279,13 @@ class Engine:
         specs = self._manual_specs()
         if self._offload:  # the step's params are on the devices (a pending update applied)
             state, specs = self._offload.evaluated(state), self._offload.device_part(specs)
-        if self._eval_fn is None:
-            body = jax.shard_map(partial(local_eval, self.plan), mesh=self.mesh,
-                                 in_specs=(specs, P(self.axes), P(self.axes), P()),
-                                 out_specs=P(), axis_names=frozenset(self.axes), check_vma=True)
-            self._eval_fn = jax.jit(body)
+        run = self._jitted("evaluate", lambda: jax.jit(jax.shard_map(
+            partial(local_eval, self.plan), mesh=self.mesh,
+            in_specs=(specs, P(self.axes), P(self.axes), P()), out_specs=P(),
+            axis_names=frozenset(self.axes), check_vma=True)))
         parts = eval_parts(batch, n // pc, self.replica * self.data // pc, pc)
-        sums = [self._eval_fn(state, put_batch(part, self.mesh), put_batch(real, self.mesh),
-                              offset) for part, real, offset in parts]
+        sums = [run(state, put_batch(part, self.mesh), put_batch(real, self.mesh), offset)
+                for part, real, offset in parts]
         return {k: sum(s[k] for s in sums) / n for k in sums[0]}
 
     def lower(self, state=None, batch=None):
@@ -384,7 +382,8 @@ class Engine:
 
         if self._offload is not None:  # each part made on the mesh it lives on
             return self._offload.from_logical(build, tree, loss_scale, owned)
-        return jax.jit(build, out_shardings=self.state_shardings())(tree)
+        return self._jitted(("from_logical", loss_scale), lambda: jax.jit(
+            build, out_shardings=self.state_shardings()))(tree)
 
     def save(self, state: TrainState, directory, step: int | None = None, *, wait: bool = True,
              keep: int | None = None, extra: dict | None = None,

@@ -79,10 +79,14 @@ def discover(engine, params_abstract, batch) -> None:
 def step_plan(engine, leaves: tuple[LeafSpec, ...], treedef) -> StepPlan:
     """The plan of the engine's step for the units `leaves` (`Engine.set_units`): the layout
     of its shards, split over the mesh's `model` axis as the model's annotations say, and the
-    optimizer over them."""
+    optimizer over them. For the units the engine has, its own plan, and with it the programs
+    made for that plan (a second init traces and compiles no program again)."""
     cfg = engine.config
     stage0 = cfg.stage == 0
     leaves = engine._splits(tuple(leaves), treedef)
+    if engine.plan is not None and (engine.plan.layout.leaves, engine.plan.layout.treedef) == (
+            leaves, treedef):
+        return engine.plan
     if cfg.hpz:  # hpZ: the primary shard over every device, data-major (collectives.py)
         layout = Layout(tuple(leaves), treedef, engine.data * engine.replica,
                         axes=(DATA, REPLICA))
