@@ -55,17 +55,19 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes",
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The longest files of each tier (~10-90 s on 2 cores, measured), longest first: `--dist loadfile`
+# The longest files of each tier (~5-90 s on 2 cores, measured), longest first: `--dist loadfile`
 # hands files out in collection order, so the short ones come last and even out the two
 # workers' finish. Tiers: the README's command runs every test but the `slow` ones (end-to-end
 # runs, the rest of each sweep: `helpers.sweep`); CI also runs `pytest -m slow`.
 LONGEST_FIRST = ("test_adapters.py", "test_planning.py", "test_zeropp.py", "test_offload.py",
                  "test_optimizers_sharded.py", "test_optimizer_costs.py", "test_compiled.py",
                  "test_checkpoint.py", "test_train.py", "test_published.py", "test_tied.py",
-                 "test_model_axis.py", "test_parity.py", "test_measure.py", "test_scripts.py",
-                 "test_state.py", "test_optimizers.py", "test_model_axis_memory.py", "test_seed.py",
-                 "test_save_contract.py", "test_precision.py", "test_readme.py",
-                 "test_tp_styles.py", "test_models.py", "test_engine.py", "test_errors.py")
+                 "test_model_axis.py", "test_fused.py", "test_parity.py", "test_measure.py",
+                 "test_scripts.py", "test_state.py", "test_optimizers.py", "test_delayed.py",
+                 "test_twin_flow.py", "test_model_axis_memory.py", "test_seed.py",
+                 "test_offload_checkpoint.py", "test_update_parts.py", "test_save_contract.py",
+                 "test_precision.py", "test_readme.py", "test_tp_styles.py", "test_models.py",
+                 "test_engine.py", "test_errors.py", "test_bench.py", "test_nvme_store.py")
 SLOW_LONGEST_FIRST = ("test_tied.py", "test_train.py", "test_model_axis.py", "test_tp_styles.py",
                       "test_kills.py", "test_bench.py", "test_delayed.py", "test_parity.py",
                       "test_optimizers_sharded.py", "test_checkpoint.py", "test_optimizers.py",
