@@ -53,6 +53,13 @@ def test_wings_are_packages_and_the_top_stays_small():
     assert len(top) <= 12, top
 
 
+def test_every_module_stays_readable():
+    """A module says one concern: at most 450 lines, the engine, which only delegates, 400."""
+    lines = {str(p.relative_to(PKG)): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert lines["engine.py"] <= 400, lines["engine.py"]
+    assert not {k: n for k, n in lines.items() if n > 450}, lines
+
+
 def test_checkpoint_reachable_from_the_package():
     assert callable(zerojax.checkpoint.save) and callable(zerojax.checkpoint.export)
 

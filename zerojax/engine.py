@@ -64,17 +64,14 @@ class Engine:
         self.replica, self.data = mesh_sizes(mesh)
         self.model_parallel = model_size(mesh)
         config.check_mesh(self.replica)
-        if config.offload_device == "nvme":
-            raise ConfigError("offload_device='nvme': the NVMe tier's store and streamed "
-                              "update exist (docs/nvme.md) but no engine runs them yet; use "
-                              "offload_device='cpu'")
+        if config.offload_device == "nvme":  # docs/nvme.md: the store exists, not its engine
+            raise ConfigError("offload_device='nvme' is not wired into Engine yet; use 'cpu'")
         self.axes = batch_axes(mesh)  # the step is manual over these; "model" is automatic
         self.plan: StepPlan | None = None
         self._step_fn = None
         self._eval_fn = None
-        # offload: where its state lives and its programs on the device and host meshes
-        # (offload/host.py); the same object runs delayed_update's, and says which one a
-        # state's next step runs
+        # offload: where its state lives, its programs on both meshes (offload/host.py); the
+        # same object runs delayed_update's and says which one a state's next step runs
         self._offload = None
         if config.offload is not None:
             from zerojax.offload.host import HostOffload  # the offload wing, when asked for
