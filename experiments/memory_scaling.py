@@ -1,5 +1,6 @@
 """Per-device memory vs device count N for ZeRO stages 0-3: the paper's formulas as lines,
-compiled measurements as points. Writes OUT/memory_scaling.png and OUT/memory_scaling.md (the table docs/memory.md quotes).
+compiled measurements as points. Writes OUT/memory_scaling.png and OUT/memory_scaling.md
+(the table docs/memory.md quotes).
 
     .venv/bin/python experiments/memory_scaling.py [--preset gpt2-small] \
         [--devices 1,2,4,8,16,32,64]
