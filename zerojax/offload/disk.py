@@ -1,0 +1,302 @@
+"""ZeRO-Infinity's NVMe tier in the engine: `ZeroConfig(offload="optimizer",
+offload_device="nvme", nvme_path=DIR)` (docs/nvme.md, "The engine tier").
+
+The host tier's step (host.py) with its state's largest parts on disk: the host's share of the
+fp32 master and of a `zerojax.adamw`'s moments live in this process's store (store.py), one
+file per device shard, and the host's update is `StreamedAdamW` (nvme.py), one streamed pass
+per leaf, in a shard_map over the host mesh whose shard index is the device's. In the
+`TrainState` those leaves are placeholders (float32[0] on the host mesh, made for the store's
+current contents); the optimizer state's counts (and a schedule's) stay ordinary leaves in
+memory, stepped by the update's program as the host tier's.
+
+Whatever reads the state whole reads it from the store, a leaf at a time: `Engine.params`,
+`optimizer_state` and a save (`saveable`) build the master and moments on the host mesh from
+the files; `init`, `init_from` and `restore` build them as the host tier does and write them
+to the store leaf by leaf, each leaf's arrays freed once written. So a save or a restore
+holds the whole state in host memory while it runs (the checkpoint wing writes and reads one
+tree); the steps between hold a few I/O buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.errors import ConfigError, StateError
+from zerojax.offload.fused import spec_of
+from zerojax.offload.host import HostOffload
+from zerojax.offload.nvme import StreamedAdamW
+from zerojax.offload.store import Store
+
+
+class DiskOffload(HostOffload):
+    """`HostOffload` with the master and AdamW moments in a `Store` at `config.nvme_path`."""
+
+    def __init__(self, engine):
+        cfg = engine.config
+        refuse = lambda what: ConfigError(f"offload_device='nvme' {what}")
+        if spec_of(engine.optimizer) is None:
+            raise refuse("streams a zerojax.adamw's update (the store holds its master and "
+                         "moments); the optimizer is not one: use zerojax.adamw(...), or "
+                         "offload_device='cpu'")
+        if cfg.delayed_update is not None:
+            raise refuse(f"does not run delayed_update={cfg.delayed_update} yet; drop "
+                         f"delayed_update, or use offload_device='cpu'")
+        if cfg.offload_fraction < 1:
+            raise refuse(f"does not run Twin-Flow (offload_fraction={cfg.offload_fraction}) "
+                         f"yet; use offload_fraction=1.0, or offload_device='cpu'")
+        if engine.model_parallel > 1:
+            raise refuse(f"does not run a mesh with a model axis ({engine.model_parallel} "
+                         f"devices) yet; use a mesh of replica and data only, or "
+                         f"offload_device='cpu'")
+        super().__init__(engine)
+        self.store: Store | None = None
+        self._token = None  # the placeholders of the state the store holds (one per leaf)
+        self._running = None  # the last update's outputs: done once they are ready
+        self._real = (None, None)  # (plan, the state's abstract shapes as the host tier's)
+
+    # ------------------------------------------------------------ what the engine asks
+
+    def host_update(self) -> str:
+        self.engine.layout  # noqa: B018 -- raises a clear error before init
+        return "nvme"
+
+    def _adamw(self):
+        """The host tier's fused update (its scalars, mask and where its state keeps what)."""
+        fused, why = self.fused()
+        if fused is None:
+            raise ConfigError(f"offload_device='nvme' streams zerojax.adamw's fused pass, "
+                              f"which cannot run here: {why}")
+        return fused
+
+    def streamed(self) -> StreamedAdamW:
+        """The update over the store, made once per plan."""
+        return self._cached("streamed", lambda: StreamedAdamW(
+            self._adamw().spec, self.engine.plan.update, self._open().handle))
+
+    def moments(self) -> tuple[list[int], list[int], list[int]]:
+        """(the optimizer state's leaf indices of each param's mu, of its nu, the others:
+        the counts, which stay in memory)."""
+        run = self._adamw()
+        n = self.engine.plan.update.state_def.num_leaves
+        return run.mu, run.nu, [j for j in range(n) if j not in {*run.mu, *run.nu}]
+
+    def abstract(self, state):
+        """`Engine.abstract_state`: the store's leaves as placeholders (float32[0])."""
+        self._real = (self.engine.plan, state)
+        return self._placed(state, lambda: jax.ShapeDtypeStruct(
+            (0,), jnp.float32, sharding=NamedSharding(self.mesh, P())))
+
+    def real(self):
+        """The state's abstract shapes and shardings as the host tier has them."""
+        if self._real[0] is not self.engine.plan:
+            self.engine.abstract_state()
+        return self._real[1]
+
+    def _placed(self, state, make):
+        """`state` with its master and moments replaced by `make()` each."""
+        mu, nu, _ = self.moments()
+        opt, tree = jax.tree.flatten(state.opt_state)
+        opt = [make() if j in {*mu, *nu} else x for j, x in enumerate(opt)]
+        return state._replace(master=jax.tree.map(lambda _: make(), state.master),
+                              opt_state=jax.tree.unflatten(tree, opt))
+
+    # ------------------------------------------------------------ the store
+
+    def _shard_index(self) -> dict:
+        """Each host device to its shard's index in the store: its place over the batch axes,
+        as `jax.lax.axis_index(axes)` numbers it in the update's shard_map."""
+        mesh, axes = self.mesh, self.engine.axes
+        names, out = mesh.axis_names, {}
+        for pos, d in np.ndenumerate(mesh.devices):
+            k = 0
+            for a in axes:
+                k = k * mesh.devices.shape[names.index(a)] + pos[names.index(a)]
+            out[d] = k
+        return out
+
+    def _identity(self) -> dict:
+        eng, cfg = self.engine, self.engine.config
+        return {"leaves": [[leaf.path, list(leaf.shape)] for leaf in eng.layout.leaves],
+                "stage": cfg.stage, "mesh": [eng.replica, eng.data],
+                "param_dtype": cfg.param_dtype, "optimizer": "zerojax.adamw"}
+
+    def _open(self) -> Store:
+        """This process's store for the engine's current layout: opened (or made) at first
+        use, and again after the layout changed (a restore adopting a checkpoint's units)."""
+        cfg, identity = self.engine.config, self._identity()
+        if self.store is not None and self.store.identity == identity:
+            return self.store
+        self.close()
+        index = self._shard_index()
+        real = self.real()
+        sizes = {}
+        for x in jax.tree.leaves(real.master):
+            local = x.sharding.shard_shape(x.shape)
+            for d in x.sharding.addressable_devices:
+                sizes.setdefault(index[d], []).append(math.prod(local))
+        self.store = Store(cfg.nvme_path, identity, sizes, block=cfg.nvme_buffer_size,
+                           count=cfg.nvme_buffer_count)
+        return self.store
+
+    def close(self):
+        """Lets the store go (its files stay): another engine may open it."""
+        if self.store is not None:
+            self.store.close()
+            self.store, self._token = None, None
+        # the update's programs hold the closed store's handle
+        cache = self.engine.__dict__.get("_jit_cache", {})
+        for key in [k for k in cache if k[:1] == ("offload",) and "streamed" in str(k[1])]:
+            del cache[key]
+
+    def _wait(self):
+        """Blocks until the last update's passes are done (the store is then theirs)."""
+        if self._running is not None:
+            jax.block_until_ready(self._running)
+            self._running = None
+
+    def _check(self, state):
+        if self._token is None or jax.tree.leaves(state.master)[0] is not self._token[0]:
+            raise StateError("this state's master and moments are no longer on the NVMe store: "
+                             "the engine was initialized or restored again since, and the store "
+                             "holds that state; use the state that call returned")
+
+    def _to_store(self, state):
+        """`state` (its master and moments on the host mesh) written to the store, a leaf at
+        a time, each leaf's arrays deleted once written; with placeholders for them."""
+        store, index = self._open(), self._shard_index()
+        mu, nu, _ = self.moments()
+        master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
+        self._wait()
+        store.begin()
+        for i, x in enumerate(master):
+            parts = [{s.device: s.data for s in a.addressable_shards}
+                     for a in (x, opt[mu[i]], opt[nu[i]])]
+            for d in parts[0]:
+                store.write_leaf(index[d], i, *(np.asarray(p[d]).reshape(-1) for p in parts))
+            for a in (x, opt[mu[i]], opt[nu[i]]):
+                a.delete()
+        store.commit(step=int(jax.device_get(state.step)))
+        token = []
+
+        def make():
+            token.append(jax.device_put(np.zeros(0, np.float32), NamedSharding(self.mesh, P())))
+            return token[-1]
+
+        placed = self._placed(state, make)
+        self._token = jax.tree.leaves(placed.master)
+        return placed
+
+    def _from_store(self, state, fields=("master", "opt_state")) -> dict:
+        """The store's master and moments (those of `fields`) as arrays on the host mesh with
+        the host tier's shardings, read a leaf at a time; the counts from `state`."""
+        self._check(state)
+        self._wait()
+        real, index, store = self.real(), self._shard_index(), self.store
+        mu, nu, _ = self.moments()
+
+        def read(i, part, like):
+            local = like.sharding.shard_shape(like.shape)
+            shards = [jax.device_put(store.read_leaf(index[d], i, part).reshape(local), d)
+                      for d in like.sharding.addressable_devices]
+            return jax.make_array_from_single_device_arrays(like.shape, like.sharding, shards)
+
+        out = {}
+        if "master" in fields:
+            out["master"] = jax.tree.unflatten(jax.tree.structure(real.master), [
+                read(i, "master", x) for i, x in enumerate(jax.tree.leaves(real.master))])
+        if "opt_state" in fields:
+            leaves, tree = jax.tree.flatten(state.opt_state)
+            like = jax.tree.leaves(real.opt_state)
+            for i, (a, b) in enumerate(zip(mu, nu, strict=True)):
+                leaves[a], leaves[b] = read(i, "mu", like[a]), read(i, "nu", like[b])
+            out["opt_state"] = jax.tree.unflatten(tree, leaves)
+        return out
+
+    # ------------------------------------------------------------ the host tier's hooks
+
+    def built(self, build, args, homes):
+        return self._to_store(super().built(build, args, homes))
+
+    def from_logical(self, build, tree, loss_scale: bool, owned: bool):
+        return self._to_store(super().from_logical(build, tree, loss_scale, owned))
+
+    def read(self, field: str, state):
+        value = self._from_store(state, (field,))[field]
+        homes = getattr(self.engine.view_shardings(), field)
+        return self.to_devices(value, jax.tree.map(lambda s: s.with_memory_kind("device"),
+                                                   homes))
+
+    def saveable(self, state):
+        """`state` with its master and moments read from the store onto the host mesh (what a
+        save writes); the store committed, holding this step."""
+        state = state._replace(**self._from_store(state))
+        self.store.commit(step=int(jax.device_get(state.step)))
+        return state
+
+    def _update(self, reduced, state, donate: bool, send: bool = False):
+        """(master placeholders, optimizer state with its counts stepped, compute-dtype
+        shards, {}) of the streamed update of `reduced` (the store's master and moments
+        updated in place)."""
+        self._check(state)
+        grads, *scalars = reduced
+        same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
+        finite = scalars[2] is not None
+        _, _, small = self.moments()
+        opt, tree = jax.tree.flatten(state.opt_state)
+        self.store.begin()
+        self._order = []
+        counts, shards = self._streamed_fn(finite, same and donate)(
+            self._host_scalars(scalars), [opt[j] for j in small], grads)
+        self._running = counts
+        for j, x in zip(small, counts, strict=True):
+            opt[j] = x
+        return state.master, jax.tree.unflatten(tree, opt), shards, {}
+
+    def _streamed_fn(self, finite: bool, donate: bool):
+        """`(scalars, the optimizer state's counts, gradient) -> (new counts, shards)`: the
+        store's update as one program of the host mesh; `donate`: the gradient's buffers
+        take the shards."""
+        eng = self.engine
+
+        def build():
+            run = self.streamed()
+            _, reduced, shards, _ = self._specs()
+            _, _, small = self.moments()
+            n = len(run.decay)
+
+            def body(scalars, counts, grads):
+                shard = jax.lax.axis_index(eng.axes)
+                new, out = run.part(range(n), scalars, dict(zip(small, counts, strict=True)),
+                                    jax.tree.leaves(grads), shard)
+                return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
+
+            scalars = (*reduced[1:3], P() if finite else None, P())
+            fn = jax.shard_map(body, mesh=self.mesh, axis_names=frozenset(eng.axes),
+                               in_specs=(scalars, [P()] * len(small), reduced[0]),
+                               out_specs=([P()] * len(small), shards), check_vma=False)
+            return jax.jit(fn, donate_argnums=(2,) if donate else (), keep_unused=True,
+                           out_shardings=([NamedSharding(self.mesh, P())] * len(small), None))
+
+        return self._cached(("streamed", finite, donate), build)
+
+    def lower_update(self, state):
+        """The streamed update of a step, lowered."""
+        plan, specs, mesh = self.engine.plan, self.engine.state_specs(), self.mesh
+        real = self.real()
+        grads = [jax.ShapeDtypeStruct(m.shape, plan.reduced_dtype,
+                                      sharding=NamedSharding(mesh, s))
+                 for m, s in zip(jax.tree.leaves(real.master), jax.tree.leaves(
+                     specs.master, is_leaf=lambda x: isinstance(x, P)), strict=True)]
+        one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
+        finite = self.engine.config.dynamic_scale
+        scalars = (one(jnp.float32), one(jnp.float32), one(jnp.bool_) if finite else None,
+                   one(jnp.float32))
+        opt = jax.tree.leaves(state.opt_state)
+        return self._streamed_fn(finite, plan.reduced_dtype == plan.dtype).lower(
+            scalars, [opt[j] for j in self.moments()[2]], grads)
