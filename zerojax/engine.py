@@ -72,8 +72,8 @@ class Engine:
         # (offload/host.py; nvme: disk.py); the same object runs delayed_update's
         self._offload = None
         if config.offload is not None:
-            from zerojax.offload.host import HostOffload  # the offload wing, when asked for
-            self._offload = HostOffload.of(self)  # in host memory, or on disk (nvme)
+            from zerojax.offload.disk import offload_of  # the offload wing, when asked for
+            self._offload = offload_of(self)  # in host memory, or on disk (nvme)
         self._delay = self._offload if config.delayed_update is not None else None
 
     # ---------------------------------------------------------------- layout discovery

@@ -34,6 +34,13 @@ from zerojax.offload.nvme import StreamedAdamW
 from zerojax.offload.store import Store
 
 
+def offload_of(engine) -> HostOffload:
+    """An offloading engine's offload (`Engine._offload`): the host tier, or with
+    offload_device="nvme" its tier on disk."""
+    return DiskOffload(engine) if engine.config.offload_device == "nvme" else \
+        HostOffload(engine)
+
+
 class DiskOffload(HostOffload):
     """`HostOffload` with the master and AdamW moments in a `Store` at `config.nvme_path`."""
 

@@ -68,15 +68,6 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
         self._last = (lambda: None, 0)  # (weak ref to the last stepped state's `step`, its value)
         self._thread: ThreadPoolExecutor | None = None  # the delayed update's (`_beside`)
 
-    @staticmethod
-    def of(engine) -> HostOffload:
-        """The engine's offload: this host tier, or with offload_device="nvme" its tier on
-        disk (disk.py)."""
-        if engine.config.offload_device == "nvme":
-            from zerojax.offload.disk import DiskOffload  # it builds on this module
-            return DiskOffload(engine)
-        return HostOffload(engine)
-
     # ------------------------------------------------------------ what the engine asks
 
     def abstract(self, state):
