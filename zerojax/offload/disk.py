@@ -153,6 +153,7 @@ class DiskOffload(HostOffload):
 
     def close(self):
         """Lets the store go (its files stay): another engine may open it."""
+        self._wait()
         if self.store is not None:
             self.store.close()
             self.store, self._token = None, None

@@ -1,0 +1,225 @@
+"""The NVMe tier in the engine (`offload_device="nvme"`, zerojax/offload/disk.py): the host
+tier's numbers bitwise, single-device optax's within the usual tolerance, its state on disk,
+its checkpoints ordinary ones, and what it refuses."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    CLIP,
+    LR,
+    WD,
+    assert_tree_close,
+    engine_run,
+    fused_adamw,
+    gpt_batch,
+    moved_error,
+    reference_run,
+    sweep,
+    tiny_gpt,
+)
+from test_nvme_store import tmpfs
+from test_precision import BATCH as SEED_BATCH
+from test_state import assert_bitwise
+
+import zerojax as zj
+from zerojax.errors import StoreError
+from zerojax.models import SeedMLP
+from zerojax.offload.store import META
+
+BATCHES = [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(4)]
+
+
+def nvme(path, **cfg):
+    return dict(cfg, offload="optimizer", offload_device="nvme", nvme_path=str(path))
+
+
+def pair(model, optimizer, mesh, path, **cfg):
+    """The host tier's engine and the NVMe tier's, alike but for where the state lives."""
+    return (zj.Engine(model, optimizer(), mesh, zj.ZeroConfig(offload="optimizer", **cfg)),
+            zj.Engine(model, optimizer(), mesh, zj.ZeroConfig(**nvme(path, **cfg))))
+
+
+def placeholders(engine, state) -> bool:
+    """Whether the state's master and moments are the tier's empty placeholders."""
+    mu, nu, counts = engine._offload.moments()
+    opt = jax.tree.leaves(state.opt_state)
+    return (all(x.size == 0 for x in jax.tree.leaves(state.master))
+            and all(opt[j].size == 0 for j in (*mu, *nu))
+            and all(opt[j].size == 1 for j in counts))
+
+
+def assert_same_run(host, disk, batches):
+    """The two engines' runs on `batches`: losses, norms, params and optimizer state bitwise;
+    (the NVMe engine's final state)."""
+    (l0, p0, s0), n0 = engine_run(host, batches), engine_run.norms
+    (l1, p1, s1), n1 = engine_run(disk, batches), engine_run.norms
+    np.testing.assert_array_equal(l1, l0)
+    np.testing.assert_array_equal(n1, n0)
+    assert_bitwise(p1, p0)
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert placeholders(disk, s1)
+    return s1
+
+
+@pytest.mark.parametrize("case", sweep(["stage3", "stage1", "stage2", "replica2xdata2",
+                                        "grad_accum2"], quick=["stage3"]))
+def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
+    """3 steps of the test GPT with zerojax.adamw and clipping: the same losses, norms,
+    params and optimizer state to the last bit (the two tiers run one arithmetic,
+    adamw_math.h). Each step reads and writes exactly the store's bytes once."""
+    mesh = zj.make_mesh(replica=2, data=2) if case == "replica2xdata2" else \
+        zj.make_mesh(data=4, devices=jax.devices()[:4])
+    stage = {"stage1": 1, "stage2": 2, "grad_accum2": 2}.get(case, 3)
+    accum = 2 if case == "grad_accum2" else 1
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=stage,
+                      clip_norm=CLIP, grad_accum=accum)
+    state = assert_same_run(host, disk, BATCHES[:3])
+    assert disk.host_update == "nvme"
+    store = disk._offload.store
+    store.counters(reset=True)
+    state, _ = disk.step(state, BATCHES[3])
+    disk._offload._wait()
+    io = store.counters()
+    assert io["read"] == io["written"] == store.bytes > 0
+    assert io["passes"] == len(disk.layout.leaves) * len(store.shards)
+    assert store.direct or store.io  # O_DIRECT where the file system takes it
+    disk._offload.close()
+
+
+def test_a_float16_run_skips_its_overflowing_steps_as_the_host_tier(tmp_path):
+    """SeedMLP's gradients overflow float16 at a scale of 2**17: the first steps are skipped
+    (the store's master and moments read, not written) and the run goes on bitwise the host
+    tier's, on replica 2 x data 2 with grad_accum 2 and clipping."""
+    mesh = zj.make_mesh(replica=2, data=2)
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), SEED_BATCH)
+    host, disk = pair(SeedMLP(), lambda: zj.adamw(0.1, eps=1e-8), mesh, tmp_path / "s",
+                      stage=3, param_dtype="float16", loss_scale_init=2.0**17, clip_norm=5.0,
+                      grad_accum=2)
+    state = assert_same_run(host, disk, [batch] * 6)
+    skipped = int((~np.isfinite(engine_run.norms)).sum())
+    assert 0 < skipped < 6 and np.isfinite(engine_run.norms[skipped:]).all()
+    assert float(state.loss_scale.scale) < 2.0**17
+    disk._offload.close()
+
+
+@pytest.mark.parametrize("stage", sweep([3, 1], quick=[3]))
+def test_the_nvme_tier_matches_single_device_optax(tmp_path, stage):
+    """Against optax.adamw after clipping on one device, over 6 steps: the losses within 1e-5
+    and the params by their distance relative to how far the reference moved (2e-4; a wrong
+    update is off by 1e-2 or more)."""
+    model, batches = tiny_gpt(), [gpt_batch(tiny_gpt().cfg, 8, s) for s in range(6)]
+    eng = zj.Engine(model, fused_adamw(), zj.make_mesh(data=4, devices=jax.devices()[:4]),
+                    zj.ZeroConfig(**nvme(tmp_path / "s", stage=stage, clip_norm=CLIP)))
+    losses, params, _ = engine_run(eng, batches)
+    ref_losses, ref = reference_run(model, optax.adamw(LR, weight_decay=WD, eps=1e-6), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    start = jax.jit(model.init)(jax.random.key(0))
+    assert moved_error(params, ref, start) <= 2e-4
+    assert_tree_close(params, ref, rtol=1e-4, atol=1e-5)
+    eng._offload.close()
+
+
+def test_checkpoints_are_ordinary_and_restore_into_any_tier(tmp_path):
+    """An NVMe run's checkpoint restores exactly with the host tier and without offload, on
+    another device count and stage; restored into an NVMe engine (another N and stage), the
+    store is written and the run goes on bitwise the host tier's. A store left dirty by a
+    crash (a run stopped after an update) is rebuilt from the checkpoint by the resume."""
+    four = zj.make_mesh(data=4, devices=jax.devices()[:4])
+    two = zj.make_mesh(data=2, devices=jax.devices()[:2])
+    disk = zj.Engine(tiny_gpt(), fused_adamw(), four,
+                     zj.ZeroConfig(**nvme(tmp_path / "s", stage=3, clip_norm=CLIP)))
+    _, params, state = engine_run(disk, BATCHES[:2])
+    opt = disk.optimizer_state(state)
+    disk.save(state, tmp_path / "ck")
+    store = disk._offload.store
+    assert store.clean and store.record == {"step": 2}
+    state, _ = disk.step(state, BATCHES[2])  # the store now holds step 3, dirty
+    disk._offload._wait()
+    assert json.loads((tmp_path / "s" / META).read_text())["state"] == "dirty"
+    disk._offload.close()  # the process "dies" here: the store stays dirty on disk
+
+    for offload in ("optimizer", None):  # another N and stage, host tier and no offload
+        other = zj.Engine(tiny_gpt(), fused_adamw(), two,
+                          zj.ZeroConfig(stage=1, clip_norm=CLIP, offload=offload))
+        restored = other.restore(tmp_path / "ck")
+        assert_bitwise(other.params(restored), params)
+        assert_bitwise(other.optimizer_state(restored), opt)
+        assert int(restored.step) == 2
+    host = other  # without offload, N 2, stage 1: the reference of the runs below
+    ref, m_ref = host.step(restored, BATCHES[2])
+
+    # The resume: the same engine's config and path find the store dirty and rebuild it.
+    again = zj.Engine(tiny_gpt(), fused_adamw(), four,
+                      zj.ZeroConfig(**nvme(tmp_path / "s", stage=3, clip_norm=CLIP)))
+    back = again.restore(tmp_path / "ck")
+    assert again._offload.store.clean and again._offload.store.record == {"step": 2}
+    assert placeholders(again, back)
+    assert_bitwise(again.params(back), params)
+    assert_bitwise(again.optimizer_state(back), opt)
+    back, m = again.step(back, BATCHES[2])
+    assert_tree_close(again.params(back), host.params(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-6)
+    again._offload.close()
+
+    # Into an NVMe engine of another N and stage, beside the host tier's of the same.
+    tier = zj.Engine(tiny_gpt(), fused_adamw(), two,
+                     zj.ZeroConfig(stage=2, clip_norm=CLIP, offload="optimizer"))
+    moved = zj.Engine(tiny_gpt(), fused_adamw(), two,
+                      zj.ZeroConfig(**nvme(tmp_path / "s2", stage=2, clip_norm=CLIP)))
+    a, b = tier.restore(tmp_path / "ck"), moved.restore(tmp_path / "ck")
+    assert_bitwise(moved.params(b), params)
+    for batch in BATCHES[2:4]:
+        (a, ma), (b, mb) = tier.step(a, batch), moved.step(b, batch)
+        assert float(ma["loss"]) == float(mb["loss"])
+    assert_bitwise(moved.params(b), tier.params(a))
+    assert_bitwise(moved.optimizer_state(b), tier.optimizer_state(a))
+    moved._offload.close()
+
+
+def test_what_the_tier_refuses(tmp_path):
+    """Each refusal one line naming the option and what runs: another optimizer, the delayed
+    update, Twin-Flow and a model axis (not composed yet); a store of another run or shape by
+    name; a state the store no longer holds."""
+    mesh = zj.make_mesh(data=4, devices=jax.devices()[:4])
+    cases = [(optax.adamw(1e-3), {}, "streams a zerojax.adamw's update"),
+             (fused_adamw(), {"delayed_update": 0}, "does not run delayed_update=0 yet"),
+             (fused_adamw(), {"offload_fraction": 0.5},
+              r"does not run Twin-Flow \(offload_fraction=0.5\) yet"),
+             ]
+    for tx, extra, says in cases:
+        with pytest.raises(zj.ConfigError, match=f"offload_device='nvme' {says}"):
+            zj.Engine(tiny_gpt(), tx, mesh, zj.ZeroConfig(**nvme(tmp_path / "x", stage=3,
+                                                                 **extra)))
+    with pytest.raises(zj.ConfigError, match="does not run a mesh with a model axis"):
+        zj.Engine(tiny_gpt(), fused_adamw(), zj.make_mesh(data=4, model=2),
+                  zj.ZeroConfig(**nvme(tmp_path / "x", stage=3)))
+
+    first = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
+                      zj.ZeroConfig(**nvme(tmp_path / "s", stage=3)))
+    old = first.init(jax.random.key(0), BATCHES[0])
+    new = first.init(jax.random.key(1), BATCHES[0])  # the store now holds this state
+    with pytest.raises(zj.StateError, match="no longer on the NVMe store"):
+        first.step(old, BATCHES[0])
+    first.step(new, BATCHES[0])
+    first._offload.close()
+    other = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
+                      zj.ZeroConfig(**nvme(tmp_path / "s", stage=2)))
+    with pytest.raises(StoreError, match=f"the NVMe store at {tmp_path / 's'} belongs to "
+                                         f"another run or shape \\(its stage 3, this run's "
+                                         f"2\\); give this run another nvme_path"):
+        other.init(jax.random.key(0), BATCHES[0])
+
+
+def test_a_read_only_path_is_one_error(tmp_path):
+    with tmpfs(tmp_path / "ro", "ro,size=1M") as ro:
+        eng = zj.Engine(tiny_gpt(), fused_adamw(), zj.make_mesh(data=2,
+                                                                devices=jax.devices()[:2]),
+                        zj.ZeroConfig(**nvme(ro / "s", stage=3)))
+        with pytest.raises(StoreError, match=f"^nvme_path {ro / 's'} is not writable "
+                                             f"\\(Read-only file system.*give nvme_path a "
+                                             f"writable directory$"):
+            eng.init(jax.random.key(0), BATCHES[0])
