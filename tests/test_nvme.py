@@ -223,3 +223,45 @@ def test_a_read_only_path_is_one_error(tmp_path):
                                              f"\\(Read-only file system.*give nvme_path a "
                                              f"writable directory$"):
             eng.init(jax.random.key(0), BATCHES[0])
+
+
+def test_the_command_line_trains_on_the_nvme_tier(tmp_path, capsys, monkeypatch):
+    """`train --offload optimizer --offload-device nvme --nvme-path DIR`: the banner's disk
+    row, summary.json's I/O record (each step read and wrote the store's bytes once), and the
+    host tier's losses bitwise; the options' misuse one line each."""
+    from zerojax.app import options, train
+    from zerojax.app.data import embedded_corpus
+
+    parse = lambda *a: options.validate(options.parse_args(list(a)))
+    cfg = parse("--offload", "optimizer", "--offload-device", "nvme", "--nvme-path", "d")
+    assert (cfg.offload_device, cfg.nvme_path, options.TrainConfig().offload_device) == (
+        "nvme", "d", "cpu")
+    for argv, says in [(["--offload-device", "nvme", "--nvme-path", "d"], "needs --offload"),
+                       (["--offload", "optimizer", "--offload-device", "nvme"],
+                        "needs --offload optimizer and --nvme-path DIR"),
+                       (["--offload", "optimizer", "--nvme-path", "d"],
+                        "--nvme-path d needs --offload-device nvme")]:
+        with pytest.raises(options.UsageError, match=says):
+            parse(*argv)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", __import__("os").environ.get("XLA_FLAGS", ""))
+    np.save(tmp_path / "tokens.npy", (embedded_corpus(2**18) % 64).astype(np.uint16))
+    argv = ["--model", "test", "--batch", "8", "--eval-every", "0", "--data", "tokens.npy",
+            "--devices", "4", "--steps", "3", "--stage", "3", "--param-dtype", "bfloat16",
+            "--offload", "optimizer"]
+    assert train.main([*argv, "--out", "host", "--quiet"]) == 0
+    capsys.readouterr()
+    assert train.main([*argv, "--offload-device", "nvme", "--nvme-path", "store", "--out",
+                       "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "memory/disk" in out and "streamed from and to the NVMe store" in out
+    s = json.loads((tmp_path / "disk" / "summary.json").read_text())
+    nv, io = s["nvme"], s["nvme"]["update"]
+    assert s["host_update"] == "nvme" and s["config"]["offload_device"] == "nvme"
+    assert nv["path"] == "store" and nv["store_bytes"] > 0
+    assert io["read_bytes"] == io["written_bytes"] == 3 * nv["store_bytes"]
+    assert io["read_gb_per_s"] > 0 and io["write_gb_per_s"] > 0
+    assert nv["bulk"]["written_bytes"] == nv["store_bytes"]  # init wrote it once
+    loss = lambda run: [json.loads(x)["loss"] for x in (tmp_path / run / "metrics.jsonl")
+                        .read_text().splitlines() if "loss" in json.loads(x)]
+    assert loss("disk") == loss("host") and len(loss("disk")) == 3

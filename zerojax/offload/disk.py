@@ -19,6 +19,7 @@ tree); the steps between hold a few I/O buffers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -39,6 +40,13 @@ def offload_of(engine) -> HostOffload:
     offload_device="nvme" its tier on disk."""
     return DiskOffload(engine) if engine.config.offload_device == "nvme" else \
         HostOffload(engine)
+
+
+def disk_io(engine) -> dict | None:
+    """An NVMe engine's store and its I/O (`DiskOffload.io`); None for another engine or
+    before its store is made."""
+    tier = getattr(engine, "_offload", None)
+    return tier.io() if isinstance(tier, DiskOffload) and tier.store is not None else None
 
 
 class DiskOffload(HostOffload):
@@ -66,6 +74,7 @@ class DiskOffload(HostOffload):
         self._token = None  # the placeholders of the state the store holds (one per leaf)
         self._running = None  # the last update's outputs: done once they are ready
         self._real = (None, None)  # (plan, the state's abstract shapes as the host tier's)
+        self._bulk_io: dict = {}  # the store's counters that bulk transfers ran up
 
     # ------------------------------------------------------------ what the engine asks
 
@@ -149,7 +158,40 @@ class DiskOffload(HostOffload):
                 sizes.setdefault(index[d], []).append(math.prod(local))
         self.store = Store(cfg.nvme_path, identity, sizes, block=cfg.nvme_buffer_size,
                            count=cfg.nvme_buffer_count)
+        self._bulk_io = {}
         return self.store
+
+    @contextlib.contextmanager
+    def _bulk(self):
+        """A bulk transfer (a build, a restore, a read of the state): its I/O counted apart
+        from the updates'."""
+        self._wait()
+        before = self.store.counters()
+        try:
+            yield
+        finally:
+            after = self.store.counters()
+            for k, v in after.items():
+                self._bulk_io[k] = self._bulk_io.get(k, 0) + v - before[k]
+
+    def io(self) -> dict:
+        """The store and its I/O since it was opened: the updates' bytes and seconds, and the
+        bulk transfers' bytes (what `summary.json` records)."""
+        self._wait()
+        store, total = self.store, self.store.counters()
+        up = {k: v - self._bulk_io.get(k, 0) for k, v in total.items()}
+        rate = lambda n, s: n / s / 1e9 if s > 0 else None
+        return {"path": str(store.path), "store_bytes": store.bytes, "direct": store.direct,
+                "shards": len(store.shards),
+                "buffer_size": store.block, "buffer_count": store.count,
+                "update": {"read_bytes": up["read"], "written_bytes": up["written"],
+                           "passes": up["passes"], "read_s": up["read_s"],
+                           "write_s": up["write_s"], "compute_s": up["compute_s"],
+                           "stall_s": up["stall_s"],
+                           "read_gb_per_s": rate(up["read"], up["read_s"]),
+                           "write_gb_per_s": rate(up["written"], up["write_s"])},
+                "bulk": {"read_bytes": self._bulk_io.get("read", 0),
+                         "written_bytes": self._bulk_io.get("written", 0)}}
 
     def close(self):
         """Lets the store go (its files stay): another engine may open it."""
@@ -180,16 +222,17 @@ class DiskOffload(HostOffload):
         store, index = self._open(), self._shard_index()
         mu, nu, _ = self.moments()
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
-        self._wait()
-        store.begin()
-        for i, x in enumerate(master):
-            parts = [{s.device: s.data for s in a.addressable_shards}
-                     for a in (x, opt[mu[i]], opt[nu[i]])]
-            for d in parts[0]:
-                store.write_leaf(index[d], i, *(np.asarray(p[d]).reshape(-1) for p in parts))
-            for a in (x, opt[mu[i]], opt[nu[i]]):
-                a.delete()
-        store.commit(step=int(jax.device_get(state.step)))
+        with self._bulk():
+            store.begin()
+            for i, x in enumerate(master):
+                parts = [{s.device: s.data for s in a.addressable_shards}
+                         for a in (x, opt[mu[i]], opt[nu[i]])]
+                for d in parts[0]:
+                    store.write_leaf(index[d], i, *(np.asarray(p[d]).reshape(-1)
+                                                    for p in parts))
+                for a in (x, opt[mu[i]], opt[nu[i]]):
+                    a.delete()
+            store.commit(step=int(jax.device_get(state.step)))
         token = []
 
         def make():
@@ -204,7 +247,10 @@ class DiskOffload(HostOffload):
         """The store's master and moments (those of `fields`) as arrays on the host mesh with
         the host tier's shardings, read a leaf at a time; the counts from `state`."""
         self._check(state)
-        self._wait()
+        with self._bulk():
+            return self._read_store(state, fields)
+
+    def _read_store(self, state, fields) -> dict:
         real, index, store = self.real(), self._shard_index(), self.store
         mu, nu, _ = self.moments()
 
