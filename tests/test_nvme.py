@@ -123,6 +123,41 @@ def test_the_nvme_tier_matches_single_device_optax(tmp_path, stage):
     eng._offload.close()
 
 
+@pytest.mark.parametrize("k", sweep([1, 0], quick=[1]))
+def test_the_delayed_update_is_the_host_tiers(tmp_path, k):
+    """`delayed_update=K`: the pending update applied by the next step's streamed pass, and
+    read with it applied by dry passes that write nothing (params, optimizer state, evaluate,
+    a save), all bitwise the host tier's; the NVMe run's checkpoint (which holds the params
+    the next step runs on) resumes in either tier as the uninterrupted run."""
+    mesh = zj.make_mesh(replica=2, data=2)
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=3, clip_norm=CLIP,
+                      delayed_update=k, grad_accum=2)
+    s0 = host.init(jax.random.key(0), BATCHES[0])
+    s1 = disk.init(jax.random.key(0), BATCHES[0])
+    for b in BATCHES[:3]:
+        (s0, m0), (s1, m1) = host.step(s0, b), disk.step(s1, b)
+        assert float(m0["loss"]) == float(m1["loss"])
+    assert_bitwise(disk.params(s1), host.params(s0))
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert float(disk.evaluate(s1, BATCHES[3])["loss"]) == \
+        float(host.evaluate(s0, BATCHES[3])["loss"])
+    store = disk._offload.store
+    disk._offload._wait()
+    before = store.read_leaf(0, 0, "master")
+    disk.save(s1, tmp_path / "ck")  # dry passes: the pending update still pending
+    assert_bitwise(store.read_leaf(0, 0, "master"), before)
+    (s0, m0), (s1, m1) = host.step(s0, BATCHES[3]), disk.step(s1, BATCHES[3])
+    assert float(m0["loss"]) == float(m1["loss"])
+    for eng in (host, disk):  # resumed from the NVMe run's step 3: step 4 as uninterrupted
+        if eng is disk:
+            disk._offload.close()
+            eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh, disk.config)
+        r, m = eng.step(eng.restore(tmp_path / "ck"), BATCHES[3])
+        assert float(m["loss"]) == float(m0["loss"])
+        assert_bitwise(eng.params(r), host.params(s0))
+    eng._offload.close()
+
+
 def test_checkpoints_are_ordinary_and_restore_into_any_tier(tmp_path):
     """An NVMe run's checkpoint restores exactly with the host tier and without offload, on
     another device count and stage; restored into an NVMe engine (another N and stage), the
@@ -181,12 +216,11 @@ def test_checkpoints_are_ordinary_and_restore_into_any_tier(tmp_path):
 
 
 def test_what_the_tier_refuses(tmp_path):
-    """Each refusal one line naming the option and what runs: another optimizer, the delayed
-    update, Twin-Flow and a model axis (not composed yet); a store of another run or shape by
+    """Each refusal one line naming the option and what runs: another optimizer, Twin-Flow
+    and a model axis (not composed yet); a store of another run or shape by
     name; a state the store no longer holds."""
     mesh = zj.make_mesh(data=4, devices=jax.devices()[:4])
     cases = [(optax.adamw(1e-3), {}, "streams a zerojax.adamw's update"),
-             (fused_adamw(), {"delayed_update": 0}, "does not run delayed_update=0 yet"),
              (fused_adamw(), {"offload_fraction": 0.5},
               r"does not run Twin-Flow \(offload_fraction=0.5\) yet"),
              ]

@@ -31,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 from zerojax.errors import ConfigError, StateError
 from zerojax.offload.fused import spec_of
 from zerojax.offload.host import HostOffload
-from zerojax.offload.nvme import StreamedAdamW
+from zerojax.offload.nvme import StreamedAdamW, update_leaf
 from zerojax.offload.store import Store
+from zerojax.offload.twin_flow import HOSTED
 
 
 def offload_of(engine) -> HostOffload:
@@ -59,9 +60,6 @@ class DiskOffload(HostOffload):
             raise refuse("streams a zerojax.adamw's update (the store holds its master and "
                          "moments); the optimizer is not one: use zerojax.adamw(...), or "
                          "offload_device='cpu'")
-        if cfg.delayed_update is not None:
-            raise refuse(f"does not run delayed_update={cfg.delayed_update} yet; drop "
-                         f"delayed_update, or use offload_device='cpu'")
         if cfg.offload_fraction < 1:
             raise refuse(f"does not run Twin-Flow (offload_fraction={cfg.offload_fraction}) "
                          f"yet; use offload_fraction=1.0, or offload_device='cpu'")
@@ -281,17 +279,97 @@ class DiskOffload(HostOffload):
         return self._to_store(super().from_logical(build, tree, loss_scale, owned))
 
     def read(self, field: str, state):
-        value = self._from_store(state, (field,))[field]
+        value = self.applied(state)[HOSTED.index(field)] if self.k is not None else \
+            self._from_store(state, (field,))[field]
         homes = getattr(self.engine.view_shardings(), field)
         return self.to_devices(value, jax.tree.map(lambda s: s.with_memory_kind("device"),
                                                    homes))
 
     def saveable(self, state):
         """`state` with its master and moments read from the store onto the host mesh (what a
-        save writes); the store committed, holding this step."""
-        state = state._replace(**self._from_store(state))
+        save writes; with delayed_update, the pending update applied by dry passes, the store
+        unchanged); the store committed, holding this step."""
+        if self.k is not None:
+            master, opt_state, _ = self.applied(state)
+            state = state._replace(master=master, opt_state=opt_state, pending=None)
+        else:
+            state = state._replace(**self._from_store(state))
         self.store.commit(step=int(jax.device_get(state.step)))
         return state
+
+    # ------------------------------------------------------------ the delayed update
+
+    def applied(self, state):
+        """(master, optimizer state, compute-dtype shards) with the pending update applied,
+        by dry passes: the store is read, not written (the update stays pending)."""
+        master, opt, shards = self._dry(state, ("master", "mu", "nu", "shard"))
+        return master, opt, shards
+
+    def applied_compute(self, state):
+        shards = self._dry(state, ("shard",))[2]
+        return self._compute_of(self.up(shards), state.compute, donate=False)
+
+    def _dry(self, state, parts):
+        """(master, optimizer state, shards) of the pending update of `state`, each of `parts`
+        read by a dry pass (None where not asked for)."""
+        self._check(state)
+        pend = state.pending
+        mu, nu, small = self.moments()
+        opt, tree = jax.tree.flatten(state.opt_state)
+        with self._bulk():
+            counts, outs = self._dry_fn(parts)(
+                self._host_scalars((pend.denom, pend.norm, pend.ok, pend.value)),
+                [opt[j] for j in small], pend.grads)
+            jax.block_until_ready((counts, outs))
+        for j, x in zip(small, counts, strict=True):
+            opt[j] = x
+        if "mu" in parts:
+            for i, (a, b) in enumerate(zip(mu, nu, strict=True)):
+                opt[a], opt[b] = outs["mu"][i], outs["nu"][i]
+        master = outs.get("master")
+        return (None if master is None else jax.tree.unflatten(
+            jax.tree.structure(state.master), master), jax.tree.unflatten(tree, opt),
+            outs.get("shard"))
+
+    def _dry_fn(self, parts):
+        """`(scalars, counts, gradient) -> (new counts, {part: leaves})`: the pending update's
+        result read from the store by dry passes ("master" and the moments "mu", "nu" in
+        float32 with the host tier's shardings, "shard" the compute-dtype shards)."""
+        eng = self.engine
+
+        def build():
+            run = self.streamed()
+            _, reduced, shards, full = self._specs()
+            mu, nu, small = self.moments()
+            leaves = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P))
+            specs = {"master": leaves(eng._manual_specs().master), "shard": shards}
+            opt = leaves(eng._manual_specs().opt_state)
+            specs |= {"mu": [opt[j] for j in mu], "nu": [opt[j] for j in nu]}
+            homes = {"master": leaves(full.master), "mu": [leaves(full.opt_state)[j] for j in mu],
+                     "nu": [leaves(full.opt_state)[j] for j in nu]}
+
+            def body(scalars, counts, grads):
+                shard = jax.lax.axis_index(eng.axes)
+                decayed, plain, new = run._rows(scalars, dict(zip(small, counts, strict=True)))
+                out = {}
+                for part in parts:
+                    dtype = run.how.out_dtype if part == "shard" else jnp.float32
+                    out[part] = [update_leaf(run.handle, i, decayed if run.decay[i] else plain,
+                                             shard, g, dtype, "master" if part == "shard"
+                                             else part)
+                                 for i, g in enumerate(jax.tree.leaves(grads))]
+                return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
+
+            scalars = (*reduced[1:3], P(), P())
+            fn = jax.shard_map(body, mesh=self.mesh, axis_names=frozenset(eng.axes),
+                               in_specs=(scalars, [P()] * len(small), reduced[0]),
+                               out_specs=([P()] * len(small), {p: specs[p] for p in parts}),
+                               check_vma=False)
+            host = lambda p: self.shardings(homes[p]) if p in homes else [None] * len(shards)
+            return jax.jit(fn, out_shardings=([NamedSharding(self.mesh, P())] * len(small),
+                                              {p: host(p) for p in parts}))
+
+        return self._cached(("streamed-dry", parts), build)
 
     def _update(self, reduced, state, donate: bool, send: bool = False):
         """(master placeholders, optimizer state with its counts stepped, compute-dtype
@@ -348,9 +426,10 @@ class DiskOffload(HostOffload):
                  for m, s in zip(jax.tree.leaves(real.master), jax.tree.leaves(
                      specs.master, is_leaf=lambda x: isinstance(x, P)), strict=True)]
         one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
-        finite = self.engine.config.dynamic_scale
+        finite = self.engine.config.dynamic_scale or self.k is not None
         scalars = (one(jnp.float32), one(jnp.float32), one(jnp.bool_) if finite else None,
                    one(jnp.float32))
         opt = jax.tree.leaves(state.opt_state)
         return self._streamed_fn(finite, plan.reduced_dtype == plan.dtype).lower(
-            scalars, [opt[j] for j in self.moments()[2]], grads)
+            scalars, [opt[j] for j in self.moments()[2]],
+            jax.tree.unflatten(jax.tree.structure(real.master), grads))
