@@ -63,10 +63,6 @@ class DiskOffload(HostOffload):
         if cfg.offload_fraction < 1:
             raise refuse(f"does not run Twin-Flow (offload_fraction={cfg.offload_fraction}) "
                          f"yet; use offload_fraction=1.0, or offload_device='cpu'")
-        if engine.model_parallel > 1:
-            raise refuse(f"does not run a mesh with a model axis ({engine.model_parallel} "
-                         f"devices) yet; use a mesh of replica and data only, or "
-                         f"offload_device='cpu'")
         super().__init__(engine)
         self.store: Store | None = None
         self._token = None  # the placeholders of the state the store holds (one per leaf)
@@ -123,9 +119,10 @@ class DiskOffload(HostOffload):
     # ------------------------------------------------------------ the store
 
     def _shard_index(self) -> dict:
-        """Each host device to its shard's index in the store: its place over the batch axes,
-        as `jax.lax.axis_index(axes)` numbers it in the update's shard_map."""
-        mesh, axes = self.mesh, self.engine.axes
+        """Each host device to its shard's index in the store: its place in the mesh, as
+        `jax.lax.axis_index` of every axis numbers it in the update's shard_map (manual over
+        the model axis too: a device's shard is its own part of a split leaf)."""
+        mesh, axes = self.mesh, self.mesh.axis_names
         names, out = mesh.axis_names, {}
         for pos, d in np.ndenumerate(mesh.devices):
             k = 0
@@ -335,21 +332,20 @@ class DiskOffload(HostOffload):
         """`(scalars, counts, gradient) -> (new counts, {part: leaves})`: the pending update's
         result read from the store by dry passes ("master" and the moments "mu", "nu" in
         float32 with the host tier's shardings, "shard" the compute-dtype shards)."""
-        eng = self.engine
-
         def build():
             run = self.streamed()
-            _, reduced, shards, full = self._specs()
+            _, reduced, _, full = self._specs()
             mu, nu, small = self.moments()
             leaves = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P))
-            specs = {"master": leaves(eng._manual_specs().master), "shard": shards}
-            opt = leaves(eng._manual_specs().opt_state)
+            shards = leaves(full.master)
+            specs = {"master": shards, "shard": shards}
+            opt = leaves(full.opt_state)
             specs |= {"mu": [opt[j] for j in mu], "nu": [opt[j] for j in nu]}
             homes = {"master": leaves(full.master), "mu": [leaves(full.opt_state)[j] for j in mu],
                      "nu": [leaves(full.opt_state)[j] for j in nu]}
 
             def body(scalars, counts, grads):
-                shard = jax.lax.axis_index(eng.axes)
+                shard = jax.lax.axis_index(self.mesh.axis_names)
                 decayed, plain, new = run._rows(scalars, dict(zip(small, counts, strict=True)))
                 out = {}
                 for part in parts:
@@ -361,8 +357,8 @@ class DiskOffload(HostOffload):
                 return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
 
             scalars = (*reduced[1:3], P(), P())
-            fn = jax.shard_map(body, mesh=self.mesh, axis_names=frozenset(eng.axes),
-                               in_specs=(scalars, [P()] * len(small), reduced[0]),
+            fn = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(scalars, [P()] * len(small), full.master),
                                out_specs=([P()] * len(small), {p: specs[p] for p in parts}),
                                check_vma=False)
             host = lambda p: self.shardings(homes[p]) if p in homes else [None] * len(shards)
@@ -394,23 +390,22 @@ class DiskOffload(HostOffload):
         """`(scalars, the optimizer state's counts, gradient) -> (new counts, shards)`: the
         store's update as one program of the host mesh; `donate`: the gradient's buffers
         take the shards."""
-        eng = self.engine
-
         def build():
             run = self.streamed()
-            _, reduced, shards, _ = self._specs()
+            _, reduced, _, full = self._specs()
+            shards = jax.tree.leaves(full.master, is_leaf=lambda x: isinstance(x, P))
             _, _, small = self.moments()
             n = len(run.decay)
 
             def body(scalars, counts, grads):
-                shard = jax.lax.axis_index(eng.axes)
+                shard = jax.lax.axis_index(self.mesh.axis_names)
                 new, out = run.part(range(n), scalars, dict(zip(small, counts, strict=True)),
                                     jax.tree.leaves(grads), shard)
                 return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
 
             scalars = (*reduced[1:3], P() if finite else None, P())
-            fn = jax.shard_map(body, mesh=self.mesh, axis_names=frozenset(eng.axes),
-                               in_specs=(scalars, [P()] * len(small), reduced[0]),
+            fn = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(scalars, [P()] * len(small), full.master),
                                out_specs=([P()] * len(small), shards), check_vma=False)
             return jax.jit(fn, donate_argnums=(2,) if donate else (), keep_unused=True,
                            out_shardings=([NamedSharding(self.mesh, P())] * len(small), None))
