@@ -44,11 +44,13 @@ def pair(model, optimizer, mesh, path, **cfg):
 
 
 def placeholders(engine, state) -> bool:
-    """Whether the state's master and moments are the tier's empty placeholders."""
+    """Whether the state's master and moments are the tier's empty placeholders (but for
+    Twin-Flow's share, arrays on the devices)."""
     mu, nu, counts = engine._offload.moments()
-    opt = jax.tree.leaves(state.opt_state)
-    return (all(x.size == 0 for x in jax.tree.leaves(state.master))
-            and all(opt[j].size == 0 for j in (*mu, *nu))
+    mine = engine._offload.mine()
+    opt, master = jax.tree.leaves(state.opt_state), jax.tree.leaves(state.master)
+    return (all(master[i].size == 0 for i in mine)
+            and all(opt[j].size == 0 for i in mine for j in (mu[i], nu[i]))
             and all(opt[j].size == 1 for j in counts))
 
 
@@ -66,7 +68,8 @@ def assert_same_run(host, disk, batches):
 
 
 @pytest.mark.parametrize("case", sweep(["stage3", "stage1", "stage2", "replica2xdata2",
-                                        "grad_accum2", "data4xmodel2"], quick=["stage3"]))
+                                        "grad_accum2", "data4xmodel2", "twin_flow"],
+                                       quick=["stage3"]))
 def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
     """3 steps of the test GPT with zerojax.adamw and clipping: the same losses, norms,
     params and optimizer state to the last bit (the two tiers run one arithmetic,
@@ -76,8 +79,9 @@ def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
         case, zj.make_mesh(data=4, devices=jax.devices()[:4]))
     stage = {"stage1": 1, "stage2": 2, "grad_accum2": 2}.get(case, 3)
     accum = 2 if case == "grad_accum2" else 1
+    fraction = 0.5 if case == "twin_flow" else 1.0  # the devices keep and update the rest
     host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=stage,
-                      clip_norm=CLIP, grad_accum=accum)
+                      clip_norm=CLIP, grad_accum=accum, offload_fraction=fraction)
     state = assert_same_run(host, disk, BATCHES[:3])
     assert disk.host_update == "nvme"
     store = disk._offload.store
@@ -86,7 +90,11 @@ def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
     disk._offload._wait()
     io = store.counters()
     assert io["read"] == io["written"] == store.bytes > 0
-    assert io["passes"] == len(disk.layout.leaves) * len(store.shards)
+    assert io["passes"] == len(disk._offload.mine()) * len(store.shards)
+    if fraction < 1:  # Twin-Flow's leaves on the devices, none of their bytes on disk
+        device = disk._offload.split()[0]
+        assert device and all(store.shards[0][i] == 0 for i in device)
+        assert all(jax.tree.leaves(state.master)[i].size > 0 for i in device)
     assert store.direct or store.io  # O_DIRECT where the file system takes it
     disk._offload.close()
 
@@ -103,6 +111,7 @@ def test_a_float16_run_skips_its_overflowing_steps_as_the_host_tier(tmp_path):
     state = assert_same_run(host, disk, [batch] * 6)
     skipped = int((~np.isfinite(engine_run.norms)).sum())
     assert 0 < skipped < 6 and np.isfinite(engine_run.norms[skipped:]).all()
+    assert disk._offload.store.clean is False  # stepped since init
     assert float(state.loss_scale.scale) < 2.0**17
     disk._offload.close()
 
@@ -217,13 +226,13 @@ def test_checkpoints_are_ordinary_and_restore_into_any_tier(tmp_path):
 
 
 def test_what_the_tier_refuses(tmp_path):
-    """Each refusal one line naming the option and what runs: another optimizer and
-    Twin-Flow (not composed yet); a store of another run or shape by
+    """Each refusal one line naming the option and what runs: another optimizer, and
+    Twin-Flow with the delayed update (not composed yet); a store of another run or shape by
     name; a state the store no longer holds."""
     mesh = zj.make_mesh(data=4, devices=jax.devices()[:4])
     cases = [(optax.adamw(1e-3), {}, "streams a zerojax.adamw's update"),
-             (fused_adamw(), {"offload_fraction": 0.5},
-              r"does not run Twin-Flow \(offload_fraction=0.5\) yet"),
+             (fused_adamw(), {"offload_fraction": 0.5, "delayed_update": 2},
+              r"does not run Twin-Flow \(offload_fraction=0.5\) with delayed_update=2 yet"),
              ]
     for tx, extra, says in cases:
         with pytest.raises(zj.ConfigError, match=f"offload_device='nvme' {says}"):

@@ -29,9 +29,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.errors import ConfigError, StateError
+from zerojax.offload.disk_delayed import DryPasses
 from zerojax.offload.fused import spec_of
 from zerojax.offload.host import HostOffload
-from zerojax.offload.nvme import StreamedAdamW, update_leaf
+from zerojax.offload.nvme import StreamedAdamW
 from zerojax.offload.store import Store
 from zerojax.offload.twin_flow import HOSTED
 
@@ -50,7 +51,7 @@ def disk_io(engine) -> dict | None:
     return tier.io() if isinstance(tier, DiskOffload) and tier.store is not None else None
 
 
-class DiskOffload(HostOffload):
+class DiskOffload(DryPasses, HostOffload):
     """`HostOffload` with the master and AdamW moments in a `Store` at `config.nvme_path`."""
 
     def __init__(self, engine):
@@ -60,12 +61,13 @@ class DiskOffload(HostOffload):
             raise refuse("streams a zerojax.adamw's update (the store holds its master and "
                          "moments); the optimizer is not one: use zerojax.adamw(...), or "
                          "offload_device='cpu'")
-        if cfg.offload_fraction < 1:
+        if cfg.offload_fraction < 1 and cfg.delayed_update is not None:
             raise refuse(f"does not run Twin-Flow (offload_fraction={cfg.offload_fraction}) "
-                         f"yet; use offload_fraction=1.0, or offload_device='cpu'")
+                         f"with delayed_update={cfg.delayed_update} yet; drop one of them, or "
+                         f"use offload_device='cpu'")
         super().__init__(engine)
         self.store: Store | None = None
-        self._token = None  # the placeholders of the state the store holds (one per leaf)
+        self._token = None  # a placeholder of the state the store holds (its first)
         self._running = None  # the last update's outputs: done once they are ready
         self._real = (None, None)  # (plan, the state's abstract shapes as the host tier's)
         self._bulk_io: dict = {}  # the store's counters that bulk transfers ran up
@@ -108,13 +110,24 @@ class DiskOffload(HostOffload):
             self.engine.abstract_state()
         return self._real[1]
 
+    def mine(self) -> list[int]:
+        """The params whose master and moments are the store's: all but those Twin-Flow keeps
+        on the devices (`offload_fraction` < 1), which stay arrays in device memory."""
+        device = self.split()[0]
+        return [i for i in range(len(self.engine.layout.leaves)) if i not in device]
+
     def _placed(self, state, make):
-        """`state` with its master and moments replaced by `make()` each."""
+        """`state` with the store's master and moments leaves replaced by `make()` each."""
         mu, nu, _ = self.moments()
+        mine = self.mine()
+        disk = {*(mu[i] for i in mine), *(nu[i] for i in mine)}
         opt, tree = jax.tree.flatten(state.opt_state)
-        opt = [make() if j in {*mu, *nu} else x for j, x in enumerate(opt)]
-        return state._replace(master=jax.tree.map(lambda _: make(), state.master),
-                              opt_state=jax.tree.unflatten(tree, opt))
+        master, mtree = jax.tree.flatten(state.master)
+        return state._replace(
+            master=jax.tree.unflatten(mtree, [make() if i in mine else x
+                                              for i, x in enumerate(master)]),
+            opt_state=jax.tree.unflatten(tree, [make() if j in disk else x
+                                                for j, x in enumerate(opt)]))
 
     # ------------------------------------------------------------ the store
 
@@ -134,7 +147,8 @@ class DiskOffload(HostOffload):
     def _identity(self) -> dict:
         eng, cfg = self.engine, self.engine.config
         return {"leaves": [[leaf.path, list(leaf.shape)] for leaf in eng.layout.leaves],
-                "stage": cfg.stage, "mesh": [eng.replica, eng.data],
+                "stage": cfg.stage, "mesh": [eng.replica, eng.data, eng.model_parallel],
+                "offload_fraction": cfg.offload_fraction,
                 "param_dtype": cfg.param_dtype, "optimizer": "zerojax.adamw"}
 
     def _open(self) -> Store:
@@ -146,11 +160,12 @@ class DiskOffload(HostOffload):
         self.close()
         index = self._shard_index()
         real = self.real()
-        sizes = {}
-        for x in jax.tree.leaves(real.master):
-            local = x.sharding.shard_shape(x.shape)
-            for d in x.sharding.addressable_devices:
-                sizes.setdefault(index[d], []).append(math.prod(local))
+        sizes, mine = {}, self.mine()
+        for i, x in enumerate(jax.tree.leaves(real.master)):
+            on = NamedSharding(self.mesh, x.sharding.spec)  # Twin-Flow's: none on disk
+            for d in on.addressable_devices:
+                sizes.setdefault(index[d], []).append(
+                    math.prod(on.shard_shape(x.shape)) if i in mine else 0)
         self.store = Store(cfg.nvme_path, identity, sizes, block=cfg.nvme_buffer_size,
                            count=cfg.nvme_buffer_count)
         self._bulk_io = {}
@@ -206,7 +221,8 @@ class DiskOffload(HostOffload):
             self._running = None
 
     def _check(self, state):
-        if self._token is None or jax.tree.leaves(state.master)[0] is not self._token[0]:
+        if self._token is None or \
+                jax.tree.leaves(state.master)[self.mine()[0]] is not self._token:
             raise StateError("this state's master and moments are no longer on the NVMe store: "
                              "the engine was initialized or restored again since, and the store "
                              "holds that state; use the state that call returned")
@@ -219,7 +235,8 @@ class DiskOffload(HostOffload):
         master, opt = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
         with self._bulk():
             store.begin()
-            for i, x in enumerate(master):
+            for i in self.mine():
+                x = master[i]
                 parts = [{s.device: s.data for s in a.addressable_shards}
                          for a in (x, opt[mu[i]], opt[nu[i]])]
                 for d in parts[0]:
@@ -235,7 +252,7 @@ class DiskOffload(HostOffload):
             return token[-1]
 
         placed = self._placed(state, make)
-        self._token = jax.tree.leaves(placed.master)
+        self._token = token[0]
         return placed
 
     def _from_store(self, state, fields=("master", "opt_state")) -> dict:
@@ -256,13 +273,17 @@ class DiskOffload(HostOffload):
             return jax.make_array_from_single_device_arrays(like.shape, like.sharding, shards)
 
         out = {}
-        if "master" in fields:
-            out["master"] = jax.tree.unflatten(jax.tree.structure(real.master), [
-                read(i, "master", x) for i, x in enumerate(jax.tree.leaves(real.master))])
+        if "master" in fields:  # (Twin-Flow's leaves as they are, on the devices)
+            leaves, tree = jax.tree.flatten(state.master)
+            like = jax.tree.leaves(real.master)
+            for i in self.mine():
+                leaves[i] = read(i, "master", like[i])
+            out["master"] = jax.tree.unflatten(tree, leaves)
         if "opt_state" in fields:
             leaves, tree = jax.tree.flatten(state.opt_state)
             like = jax.tree.leaves(real.opt_state)
-            for i, (a, b) in enumerate(zip(mu, nu, strict=True)):
+            for i in self.mine():
+                a, b = mu[i], nu[i]
                 leaves[a], leaves[b] = read(i, "mu", like[a]), read(i, "nu", like[b])
             out["opt_state"] = jax.tree.unflatten(tree, leaves)
         return out
@@ -294,97 +315,52 @@ class DiskOffload(HostOffload):
         self.store.commit(step=int(jax.device_get(state.step)))
         return state
 
-    # ------------------------------------------------------------ the delayed update
-
-    def applied(self, state):
-        """(master, optimizer state, compute-dtype shards) with the pending update applied,
-        by dry passes: the store is read, not written (the update stays pending)."""
-        master, opt, shards = self._dry(state, ("master", "mu", "nu", "shard"))
-        return master, opt, shards
-
-    def applied_compute(self, state):
-        shards = self._dry(state, ("shard",))[2]
-        return self._compute_of(self.up(shards), state.compute, donate=False)
-
-    def _dry(self, state, parts):
-        """(master, optimizer state, shards) of the pending update of `state`, each of `parts`
-        read by a dry pass (None where not asked for)."""
-        self._check(state)
-        pend = state.pending
-        mu, nu, small = self.moments()
-        opt, tree = jax.tree.flatten(state.opt_state)
-        with self._bulk():
-            counts, outs = self._dry_fn(parts)(
-                self._host_scalars((pend.denom, pend.norm, pend.ok, pend.value)),
-                [opt[j] for j in small], pend.grads)
-            jax.block_until_ready((counts, outs))
-        for j, x in zip(small, counts, strict=True):
-            opt[j] = x
-        if "mu" in parts:
-            for i, (a, b) in enumerate(zip(mu, nu, strict=True)):
-                opt[a], opt[b] = outs["mu"][i], outs["nu"][i]
-        master = outs.get("master")
-        return (None if master is None else jax.tree.unflatten(
-            jax.tree.structure(state.master), master), jax.tree.unflatten(tree, opt),
-            outs.get("shard"))
-
-    def _dry_fn(self, parts):
-        """`(scalars, counts, gradient) -> (new counts, {part: leaves})`: the pending update's
-        result read from the store by dry passes ("master" and the moments "mu", "nu" in
-        float32 with the host tier's shardings, "shard" the compute-dtype shards)."""
-        def build():
-            run = self.streamed()
-            _, reduced, _, full = self._specs()
-            mu, nu, small = self.moments()
-            leaves = lambda t: jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P))
-            shards = leaves(full.master)
-            specs = {"master": shards, "shard": shards}
-            opt = leaves(full.opt_state)
-            specs |= {"mu": [opt[j] for j in mu], "nu": [opt[j] for j in nu]}
-            homes = {"master": leaves(full.master), "mu": [leaves(full.opt_state)[j] for j in mu],
-                     "nu": [leaves(full.opt_state)[j] for j in nu]}
-
-            def body(scalars, counts, grads):
-                shard = jax.lax.axis_index(self.mesh.axis_names)
-                decayed, plain, new = run._rows(scalars, dict(zip(small, counts, strict=True)))
-                out = {}
-                for part in parts:
-                    dtype = run.how.out_dtype if part == "shard" else jnp.float32
-                    out[part] = [update_leaf(run.handle, i, decayed if run.decay[i] else plain,
-                                             shard, g, dtype, "master" if part == "shard"
-                                             else part)
-                                 for i, g in enumerate(jax.tree.leaves(grads))]
-                return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
-
-            scalars = (*reduced[1:3], P(), P())
-            fn = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(scalars, [P()] * len(small), full.master),
-                               out_specs=([P()] * len(small), {p: specs[p] for p in parts}),
-                               check_vma=False)
-            host = lambda p: self.shardings(homes[p]) if p in homes else [None] * len(shards)
-            return jax.jit(fn, out_shardings=([NamedSharding(self.mesh, P())] * len(small),
-                                              {p: host(p) for p in parts}))
-
-        return self._cached(("streamed-dry", parts), build)
-
     def _update(self, reduced, state, donate: bool, send: bool = False):
         """(master placeholders, optimizer state with its counts stepped, compute-dtype
         shards, {}) of the streamed update of `reduced` (the store's master and moments
         updated in place)."""
         self._check(state)
         grads, *scalars = reduced
-        same = {g.dtype for g in jax.tree.leaves(grads)} == {self.engine.plan.dtype}
+        g = jax.tree.leaves(grads)
+        same = {x.dtype for x in g} == {self.engine.plan.dtype}
         finite = scalars[2] is not None
         _, _, small = self.moments()
         opt, tree = jax.tree.flatten(state.opt_state)
+        master, mtree = jax.tree.flatten(state.master)
+        shards = [None] * len(master)
+        if self.split()[0]:  # Twin-Flow: the devices' share first, as the host tier's
+            self._devices_share(scalars, master, opt, g, shards, donate, finite, same)
         self.store.begin()
         self._order = []
-        counts, shards = self._streamed_fn(finite, same and donate)(
-            self._host_scalars(scalars), [opt[j] for j in small], grads)
+        mine = self.mine()
+        counts, out = self._streamed_fn(finite, same and donate)(
+            self._host_scalars(scalars), [opt[j] for j in small], [g[i] for i in mine])
         self._running = counts
         for j, x in zip(small, counts, strict=True):
             opt[j] = x
-        return state.master, jax.tree.unflatten(tree, opt), shards, {}
+        for i, x in zip(mine, out, strict=True):
+            shards[i] = x
+        return (jax.tree.unflatten(mtree, master), jax.tree.unflatten(tree, opt), shards, {})
+
+    def _devices_share(self, scalars, master, opt, g, shards, donate, finite, same):
+        """Twin-Flow's update of the devices' share, its parts' programs as the host tier
+        runs them (`_parted`): into `master`, `opt` and `shards` (lists, by leaf)."""
+        parts = self._parts_fn(donate, finite, tuple(x.dtype for x in g), same, host_parts=1,
+                               fused=True)
+        shared = [opt[j] for j, s in enumerate(self.engine.plan.update.sharded) if not s]
+        mesh = self.engine.mesh
+        here = (tuple(x for x in self._host_scalars(scalars, mesh) if x is not None),
+                jax.device_put(shared, NamedSharding(mesh, P())))
+        for part, fn in parts:
+            if not part.on_device:
+                continue
+            m, o, s = fn(*here, [master[i] for i in part.params], [opt[j] for j in part.owned],
+                         [g[i] for i in part.params])
+            for i, a, b in zip(part.params, m, s, strict=True):
+                master[i], shards[i] = a, b
+            for j, x in zip(sorted((*part.owned, *part.writes)), o, strict=True):
+                opt[j] = jax.device_put(x, NamedSharding(self.mesh, P())) \
+                    if j in part.writes else x
 
     def _streamed_fn(self, finite: bool, donate: bool):
         """`(scalars, the optimizer state's counts, gradient) -> (new counts, shards)`: the
@@ -393,19 +369,20 @@ class DiskOffload(HostOffload):
         def build():
             run = self.streamed()
             _, reduced, _, full = self._specs()
-            shards = jax.tree.leaves(full.master, is_leaf=lambda x: isinstance(x, P))
+            mine = self.mine()
+            every = jax.tree.leaves(full.master, is_leaf=lambda x: isinstance(x, P))
+            shards = [every[i] for i in mine]
             _, _, small = self.moments()
-            n = len(run.decay)
 
             def body(scalars, counts, grads):
                 shard = jax.lax.axis_index(self.mesh.axis_names)
-                new, out = run.part(range(n), scalars, dict(zip(small, counts, strict=True)),
-                                    jax.tree.leaves(grads), shard)
+                new, out = run.part(mine, scalars, dict(zip(small, counts, strict=True)),
+                                    grads, shard)
                 return [new.get(j, x) for j, x in zip(small, counts, strict=True)], out
 
             scalars = (*reduced[1:3], P() if finite else None, P())
             fn = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(scalars, [P()] * len(small), full.master),
+                               in_specs=(scalars, [P()] * len(small), shards),
                                out_specs=([P()] * len(small), shards), check_vma=False)
             return jax.jit(fn, donate_argnums=(2,) if donate else (), keep_unused=True,
                            out_shardings=([NamedSharding(self.mesh, P())] * len(small), None))
@@ -420,11 +397,11 @@ class DiskOffload(HostOffload):
                                       sharding=NamedSharding(mesh, s))
                  for m, s in zip(jax.tree.leaves(real.master), jax.tree.leaves(
                      specs.master, is_leaf=lambda x: isinstance(x, P)), strict=True)]
+        grads = [grads[i] for i in self.mine()]  # (Twin-Flow's share: the devices')
         one = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=NamedSharding(mesh, P()))
         finite = self.engine.config.dynamic_scale or self.k is not None
         scalars = (one(jnp.float32), one(jnp.float32), one(jnp.bool_) if finite else None,
                    one(jnp.float32))
         opt = jax.tree.leaves(state.opt_state)
         return self._streamed_fn(finite, plan.reduced_dtype == plan.dtype).lower(
-            scalars, [opt[j] for j in self.moments()[2]],
-            jax.tree.unflatten(jax.tree.structure(real.master), grads))
+            scalars, [opt[j] for j in self.moments()[2]], grads)
