@@ -307,3 +307,55 @@ def test_the_command_line_trains_on_the_nvme_tier(tmp_path, capsys, monkeypatch)
     loss = lambda run: [json.loads(x)["loss"] for x in (tmp_path / run / "metrics.jsonl")
                         .read_text().splitlines() if "loss" in json.loads(x)]
     assert loss("disk") == loss("host") and len(loss("disk")) == 3
+
+
+@pytest.mark.slow  # four processes of the command line, two of them killed (~60 CPU s)
+def test_sigkill_in_the_update_and_in_a_save_then_resume_is_the_uninterrupted_run(tmp_path):
+    """`train` on the NVMe tier killed with SIGKILL while it steps (the store dirty, its lock
+    held) and while it saves, each time resumed with `--resume` (the store rebuilt from the
+    last checkpoint): every step's loss is the uninterrupted run's, bitwise."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import FAST_COMPILE
+    from test_kills import _kill_when, _saved, _saving, _steps
+
+    from zerojax.app.data import embedded_corpus
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, (embedded_corpus(2**18) % 64).astype(np.uint16))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+               PYTHONPATH=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+    def run(out, resume=False):
+        args = ["--model", "test", "--batch", "4", "--seq-len", "16", "--devices", "2",
+                "--eval-every", "0", "--save-every", "3", "--steps", "12", "--data", str(data),
+                "--offload", "optimizer", "--offload-device", "nvme", "--nvme-path",
+                str(out) + "-store", "--out", str(out), "--quiet", "--no-tensorboard",
+                *(["--resume"] if resume else [])]
+        return subprocess.Popen([sys.executable, "-m", "zerojax", "train", *args],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    ref = tmp_path / "ref"
+    assert run(ref).wait() == 0
+    out = tmp_path / "killed"
+    proc = run(out)
+    # stepping past the save at 3, once it is complete
+    _kill_when(proc, lambda: 3 in _saved(out) and max(_steps(out), default=0) >= 4)
+    proc.kill()
+    proc.wait()
+    meta = json.loads((tmp_path / "killed-store" / META).read_text())
+    assert meta["state"] == "dirty"
+    proc = run(out, resume=True)
+    _kill_when(proc, lambda: max(_steps(out), default=0) >= 6 and bool(_saving(out)))
+    proc.kill()
+    proc.wait()
+    proc = run(out, resume=True)
+    assert proc.wait() == 0, proc.communicate()[1]
+    assert losses(out) == losses(ref) and sorted(losses(ref)) == list(range(1, 13))
