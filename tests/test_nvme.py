@@ -245,6 +245,10 @@ def test_what_the_tier_refuses(tmp_path):
     new = first.init(jax.random.key(1), BATCHES[0])  # the store now holds this state
     with pytest.raises(zj.StateError, match="no longer on the NVMe store"):
         first.step(old, BATCHES[0])
+    with pytest.raises(zj.StateError, match="takes an NVMe-tier state as engine.saveable"):
+        first.logical(new)
+    tree = first.logical(first.saveable(new))
+    assert_bitwise(tree["params"], first.params(new))
     first.step(new, BATCHES[0])
     first._offload.close()
     other = zj.Engine(tiny_gpt(), fused_adamw(), mesh,

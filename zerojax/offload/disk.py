@@ -303,6 +303,11 @@ class DiskOffload(DryPasses, HostOffload):
         return self.to_devices(value, jax.tree.map(lambda s: s.with_memory_kind("device"),
                                                    homes))
 
+    def check_logical(self, state):
+        if jax.tree.leaves(state.master)[self.mine()[0]].shape == (0,):
+            raise StateError("engine.logical takes an NVMe-tier state as engine.saveable(state) "
+                             "gives it (its master and moments read from the store)")
+
     def saveable(self, state):
         """`state` with its master and moments read from the store onto the host mesh (what a
         save writes; with delayed_update, the pending update applied by dry passes, the store

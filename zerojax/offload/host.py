@@ -74,6 +74,9 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
         """`Engine.abstract_state`'s shapes as this tier's state holds them."""
         return state
 
+    def check_logical(self, state):
+        """`Engine.logical`'s check of a state (the NVMe tier refuses its placeholders)."""
+
     def saveable(self, state):
         """`Engine.saveable`: with delayed_update, the pending update applied."""
         return self.settled(state) if self.k is not None else state
