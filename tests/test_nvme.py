@@ -259,14 +259,22 @@ def test_what_the_tier_refuses(tmp_path):
         other.init(jax.random.key(0), BATCHES[0])
 
 
-def test_a_read_only_path_is_one_error(tmp_path):
+def test_a_read_only_path_and_a_full_disk_are_one_error_each(tmp_path):
+    """At init, before anything is written: one line each, naming the path, the bytes and
+    the fix."""
+    mesh = zj.make_mesh(data=2, devices=jax.devices()[:2])
     with tmpfs(tmp_path / "ro", "ro,size=1M") as ro:
-        eng = zj.Engine(tiny_gpt(), fused_adamw(), zj.make_mesh(data=2,
-                                                                devices=jax.devices()[:2]),
-                        zj.ZeroConfig(**nvme(ro / "s", stage=3)))
+        eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh, zj.ZeroConfig(**nvme(ro / "s", stage=3)))
         with pytest.raises(StoreError, match=f"^nvme_path {ro / 's'} is not writable "
                                              f"\\(Read-only file system.*give nvme_path a "
                                              f"writable directory$"):
+            eng.init(jax.random.key(0), BATCHES[0])
+    with tmpfs(tmp_path / "small", "size=64K") as small:
+        eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
+                        zj.ZeroConfig(**nvme(small / "s", stage=3)))
+        with pytest.raises(StoreError, match=f"^nvme_path {small / 's'} has [0-9,]+ bytes "
+                                             f"free; the store needs [0-9,]+: free space "
+                                             f"there or give nvme_path on a larger disk$"):
             eng.init(jax.random.key(0), BATCHES[0])
 
 

@@ -291,9 +291,11 @@ class DiskOffload(DryPasses, HostOffload):
     # ------------------------------------------------------------ the host tier's hooks
 
     def built(self, build, args, homes):
+        self._open()  # a store refused (another run's, a full disk) before the build
         return self._to_store(super().built(build, args, homes))
 
     def from_logical(self, build, tree, loss_scale: bool, owned: bool):
+        self._open()
         return self._to_store(super().from_logical(build, tree, loss_scale, owned))
 
     def read(self, field: str, state):
