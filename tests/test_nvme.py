@@ -251,12 +251,16 @@ def test_what_the_tier_refuses(tmp_path):
     assert_bitwise(tree["params"], first.params(new))
     first.step(new, BATCHES[0])
     first._offload.close()
-    other = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
-                      zj.ZeroConfig(**nvme(tmp_path / "s", stage=2)))
-    with pytest.raises(StoreError, match=f"the NVMe store at {tmp_path / 's'} belongs to "
-                                         f"another run or shape \\(its stage 3, this run's "
-                                         f"2\\); give this run another nvme_path"):
-        other.init(jax.random.key(0), BATCHES[0])
+    init_refused(mesh, tmp_path / "s", f"the NVMe store at {tmp_path / 's'} belongs to another "
+                 f"run or shape \\(its stage 3, this run's 2\\); give this run another "
+                 f"nvme_path", stage=2)
+
+
+def init_refused(mesh, path, says, stage=3):
+    """`init` of an NVMe engine at `path` raises one StoreError matching `says`."""
+    eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh, zj.ZeroConfig(**nvme(path, stage=stage)))
+    with pytest.raises(StoreError, match=says):
+        eng.init(jax.random.key(0), BATCHES[0])
 
 
 def test_a_read_only_path_and_a_full_disk_are_one_error_each(tmp_path):
@@ -264,18 +268,12 @@ def test_a_read_only_path_and_a_full_disk_are_one_error_each(tmp_path):
     the fix."""
     mesh = zj.make_mesh(data=2, devices=jax.devices()[:2])
     with tmpfs(tmp_path / "ro", "ro,size=1M") as ro:
-        eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh, zj.ZeroConfig(**nvme(ro / "s", stage=3)))
-        with pytest.raises(StoreError, match=f"^nvme_path {ro / 's'} is not writable "
-                                             f"\\(Read-only file system.*give nvme_path a "
-                                             f"writable directory$"):
-            eng.init(jax.random.key(0), BATCHES[0])
+        init_refused(mesh, ro / "s", f"^nvme_path {ro / 's'} is not writable \\(Read-only "
+                                     f"file system.*give nvme_path a writable directory$")
     with tmpfs(tmp_path / "small", "size=64K") as small:
-        eng = zj.Engine(tiny_gpt(), fused_adamw(), mesh,
-                        zj.ZeroConfig(**nvme(small / "s", stage=3)))
-        with pytest.raises(StoreError, match=f"^nvme_path {small / 's'} has [0-9,]+ bytes "
-                                             f"free; the store needs [0-9,]+: free space "
-                                             f"there or give nvme_path on a larger disk$"):
-            eng.init(jax.random.key(0), BATCHES[0])
+        init_refused(mesh, small / "s", f"^nvme_path {small / 's'} has [0-9,]+ bytes free; the "
+                                        f"store needs [0-9,]+: free space there or give "
+                                        f"nvme_path on a larger disk$")
 
 
 @pytest.mark.slow  # two runs of the command line (~15 CPU s); CI runs it
