@@ -166,7 +166,10 @@ class DiskOffload(DryPasses, HostOffload):
             for d in on.addressable_devices:
                 sizes.setdefault(index[d], []).append(
                     math.prod(on.shard_shape(x.shape)) if i in mine else 0)
-        self.store = Store(cfg.nvme_path, identity, sizes, block=cfg.nvme_buffer_size,
+        path = cfg.nvme_path  # one store per process: several on one host each their own
+        if jax.process_count() > 1:
+            path = f"{path}/process-{jax.process_index():05d}"
+        self.store = Store(path, identity, sizes, block=cfg.nvme_buffer_size,
                            count=cfg.nvme_buffer_count)
         self._bulk_io = {}
         return self.store
