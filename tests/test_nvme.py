@@ -369,3 +369,47 @@ def test_sigkill_in_the_update_and_in_a_save_then_resume_is_the_uninterrupted_ru
     proc = run(out, resume=True)
     assert proc.wait() == 0, proc.communicate()[1]
     assert losses(out) == losses(ref) and sorted(losses(ref)) == list(range(1, 13))
+
+
+@pytest.mark.slow  # two runs of two processes of the command line (~40 CPU s)
+def test_two_processes_keep_a_store_each_and_train_as_the_host_tier(tmp_path):
+    """A run of 2 processes × 1 device given one --nvme-path: each process's store in its own
+    `process-NNNNN` directory, and the losses of the host tier's 2-process run, bitwise."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import FAST_COMPILE
+
+    from zerojax.app.data import embedded_corpus
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, (embedded_corpus(2**18) % 64).astype(np.uint16))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+               PYTHONPATH=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+    def run(out, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "zerojax", "train", "--model", "test", "--batch", "4",
+             "--seq-len", "16", "--devices", "1", "--steps", "3", "--eval-every", "0",
+             "--data", str(data), "--offload", "optimizer", "--out", str(out), "--quiet",
+             "--no-tensorboard", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i), *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True) for i in range(2)]
+        for p in procs:
+            assert p.wait(timeout=300) == 0, p.communicate()[1]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    host = run(tmp_path / "host")
+    disk = run(tmp_path / "disk", "--offload-device", "nvme", "--nvme-path", str(tmp_path / "s"))
+    assert disk == host and len(disk) == 3
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["process-00000",
+                                                                  "process-00001"]
+    for p in (tmp_path / "s").iterdir():
+        meta = json.loads((p / META).read_text())
+        assert meta["state"] == "clean" and list(meta["shards"]) == [p.name[-1]]
