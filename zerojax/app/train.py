@@ -369,9 +369,11 @@ def check_host_memory(cfg: TrainConfig, model, optimizer, devices, process: int)
     if need <= free:
         return
     mine = round(need / estimate.memory.host_peak)  # this process's devices
+    when = "while the state is built, saved or restored (the NVMe tier holds it whole then; " \
+        "docs/nvme.md)" if cfg.offload_device == "nvme" else "while the update runs"
     raise UsageError(
         f"--offload {cfg.offload}: this process's {mine} device(s) need about {fmt(need)} of "
-        f"host memory while the update runs ({fmt(estimate.memory.host_peak)} each: the "
+        f"host memory {when} ({fmt(estimate.memory.host_peak)} each: the "
         f"float32 master, the {estimate.held}, the gradient and compute shards; `zerojax "
         f"estimate` counts it), but {fmt(free)} is available; train a smaller --model, keep "
         f"part of the state on the devices (--offload-fraction below 1), or spread the run "
