@@ -41,7 +41,7 @@ def test_core_imports_no_wing():
     # engine with offload="optimizer" the offload wing when made (RUNS_UP says why).
     lazy = {where(p): _wings(_imports(p, top_level=False)) for p in core}
     assert {k: v for k, v in lazy.items() if v} == {"engine.py": [
-        "zerojax.checkpoint", "zerojax.offload.host", "zerojax.offload.host.HostOffload"]}, lazy
+        "zerojax.checkpoint", "zerojax.offload.disk", "zerojax.offload.disk.offload_of"]}, lazy
 
 
 def test_wings_are_packages_and_the_top_stays_small():
@@ -172,7 +172,7 @@ RUNS_UP = {
     # wings): save and restore enter the checkpoint wing, an engine with offload the offload
     # wing, lazily, when called, so that orbax is imported by those who checkpoint only.
     ("zerojax.engine", "zerojax.checkpoint"): "Engine.save / Engine.restore",
-    ("zerojax.engine", "zerojax.offload.host"): "Engine(...) with offload='optimizer'",
+    ("zerojax.engine", "zerojax.offload.disk"): "Engine(...) with offload='optimizer'",
     # The measure, plan and estimate commands take the command line's named optimizers
     # (`--optimizer`, app/presets.py) as train does: they are command-line modules that live
     # in analysis/ beside what they run.
