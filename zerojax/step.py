@@ -159,10 +159,8 @@ def average_state(model_state, axes):
 
 
 def whole(plan: StepPlan, model_state):
-    """The model state held whole over `model` (as the state keeps it, `P()`): the step's
-    shard_map leaves the automatic axis open, so a state leaf that meets a split activation
-    (bonsai's bias-free `ShardedLinear` adds an `nnx.data` zeros vector) would be propagated
-    split, and gathered over `model` again at the step's end, one collective per leaf."""
+    """The model state whole over `model`, as stored (`P()`): the shard_map leaves that axis
+    open, and a leaf read beside a split activation was gathered over it every step."""
     if model_state is None or plan.layout.model == 1:
         return model_state
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, P()), model_state)
@@ -306,8 +304,7 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
         acc0 = [jnp.zeros(a.shape, jnp.float32) for a in args]
         acc0 = [vary(a, plan.axes) for a in acc0]
         (grads, model_state), (losses, auxs) = lax.scan(
-            accumulate, (acc0, vary_all(whole(plan, state.model_state))),
-            (micro, jnp.arange(k)))
+            accumulate, (acc0, vary_all(whole(plan, state.model_state))), (micro, jnp.arange(k)))
         loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
     model_state = whole(plan, average_state(model_state, plan.axes))
 
