@@ -18,13 +18,16 @@ shuffled order), each figure a median over the repeats and a ratio against `gspm
 - `zerojax`: stage 3, default `from_nnx` arguments (the decoder layer the unit); a unit's
   forward runs again in its backward (ZeRO-3 keeps no gathered weight), its model-axis
   collectives with it.
+- `zerojax_keep_dots`: `zerojax` with `remat=False`: each unit keeps its matrix products'
+  outputs from forward and recomputes only the rest, its gathers included.
 - `zerojax_one_unit`: stage 3, `units=()` (one unit, the whole model: nothing recomputed).
 - `zerojax_state_split`: `zerojax` with the model state left open over "model" inside the
   step, as before it was held whole (`step.whole`): the Gemma3 shape's `nnx.data` buffers
   are then gathered over "model" every step.
 
 For each compiled step the collectives per step by kind and mesh axis (launches and bytes
-one device sends), and the copies, are printed beside the times.
+one device sends), the matrix products' FLOPs, the compiled peak per device and the copies
+are printed beside the times.
 
     .venv/bin/python experiments/nnx_tp_bench.py --repeats 15 --json runs/nnx_tp.json
 """
@@ -44,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's zerojax and test models
 
-VARIANTS = ("gspmd", "gspmd_remat", "zerojax", "zerojax_one_unit", "zerojax_state_split")
+VARIANTS = ("gspmd", "gspmd_remat", "zerojax", "zerojax_keep_dots", "zerojax_one_unit",
+            "zerojax_state_split")
 RULES = (("tp", "model"), ("fsdp", "data"))  # the models' axis names on zerojax's mesh
 LR = 1e-3
 
@@ -179,7 +183,7 @@ def gspmd(net, cls, mesh, host_batch, remat):
     return step, state, batch, lower
 
 
-def zero(net, mesh, host_batch, units):
+def zero(net, mesh, host_batch, units, remat=True):
     import jax
     import optax
 
@@ -188,7 +192,7 @@ def zero(net, mesh, host_batch, units):
 
     kw = {} if units is None else {"units": units}
     zm = zj.from_nnx(net, nnx_loss, logical_axis_rules=RULES, **kw)
-    engine = zj.Engine(zm, optax.adam(LR), mesh, zj.ZeroConfig(stage=3))
+    engine = zj.Engine(zm, optax.adam(LR), mesh, zj.ZeroConfig(stage=3, remat=remat))
     batch = put_batch(host_batch, mesh)
     state = engine.init(jax.random.key(0), batch)
     return engine.step, state, batch, lambda: engine.lower(state, batch)
@@ -237,8 +241,14 @@ def run_model(name, args) -> dict:
         try:  # traced (for the text and the first steps) under the patch, run from jit's cache
             step, state, batch, lower = gspmd(net, cls, own, host, v == "gspmd_remat") \
                 if v.startswith("gspmd") else \
-                zero(net, zmesh, host, () if v == "zerojax_one_unit" else None)
-            out[v] = collectives(lower().compile().as_text(), args.data, args.model)
+                zero(net, zmesh, host, () if v == "zerojax_one_unit" else None,
+                     remat=v != "zerojax_keep_dots")
+            exe = lower().compile()
+            out[v] = collectives(exe.as_text(), args.data, args.model)
+            mem = exe.memory_analysis()  # per device; the state is donated
+            out[v]["peak_mb"] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                 - mem.alias_size_in_bytes + mem.temp_size_in_bytes) / 1e6
+            out[v]["temp_mb"] = mem.temp_size_in_bytes / 1e6
             for _ in range(2):  # compile and warm up
                 state, m = step(state, batch)
             jax.block_until_ready(state)
@@ -266,12 +276,13 @@ def run_model(name, args) -> dict:
 
 
 def table(name, res) -> str:
-    lines = [f"\n{name}: per step (median), ratio to gspmd, matmul GFLOP per device, copies; "
-             f"collectives per step (launches, bytes one device sends)"]
+    lines = [f"\n{name}: per step (median), ratio to gspmd, matmul GFLOP and compiled peak per "
+             f"device, copies; collectives per step (launches, bytes one device sends)"]
     for v, r in res.items():
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         lines.append(f"  {v:20s} {r['median_s'] * 1e3:8.2f} ms  {ratio:>6s}  "
                      f"loss {r['loss']:.4f}  matmul {r['matmul_gflop']:.3f} GFLOP  "
+                     f"peak {r['peak_mb']:.2f} MB (temp {r['temp_mb']:.2f})  "
                      f"copies {r['copies']} ({r['copy_bytes']} B)")
         for k, c in r["collectives"].items():
             lines.append(f"      {k:28s} {c['launches']:4d}  {c['bytes']:10d} B")
