@@ -6,7 +6,8 @@ both as the test suite writes them (tests/bonsai_models.py, tests/tp_models.py),
 set here.
 
 Variants, timed round-robin in one run (one block of `--steps` steps each per repeat, in a
-shuffled order), each figure a median over the repeats and a ratio against `gspmd`:
+shuffled order), each figure a median over the repeats and a ratio against `gspmd` (the
+ratio of the medians, and paired: the median of the per-repeat ratios):
 
 - `gspmd`: `jax.jit` of value_and_grad + the optax update under the model's own mesh
   (fsdp N × tp M, explicit axes), every param stored split as its arrays were built (the
@@ -267,11 +268,12 @@ def run_model(name, args) -> dict:
             losses[v] = float(m["loss"])
         print(f"  {name} repeat {rep + 1}/{args.repeats}: " + " ".join(
             f"{v}={out[v]['times'][-1] * 1e3:.1f}ms" for v in args.variants), flush=True)
-    base = float(np.median(out["gspmd"]["times"])) if "gspmd" in out else None
+    base = out["gspmd"]["times"] if "gspmd" in out else None
     for v in out:
-        med = float(np.median(out[v]["times"]))
+        med, t = float(np.median(out[v]["times"])), np.array(out[v]["times"])
         out[v].update(median_s=med, loss=losses[v],
-                      ratio=None if base is None else med / base)
+                      ratio=None if base is None else med / float(np.median(base)),
+                      paired=None if base is None else float(np.median(t / np.array(base))))
     return out
 
 
@@ -279,8 +281,8 @@ def table(name, res) -> str:
     lines = [f"\n{name}: per step (median), ratio to gspmd, matmul GFLOP and compiled peak per "
              f"device, copies; collectives per step (launches, bytes one device sends)"]
     for v, r in res.items():
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        lines.append(f"  {v:20s} {r['median_s'] * 1e3:8.2f} ms  {ratio:>6s}  "
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x (paired {r['paired']:.2f})"
+        lines.append(f"  {v:20s} {r['median_s'] * 1e3:8.2f} ms  {ratio:>20s}  "
                      f"loss {r['loss']:.4f}  matmul {r['matmul_gflop']:.3f} GFLOP  "
                      f"peak {r['peak_mb']:.2f} MB (temp {r['temp_mb']:.2f})  "
                      f"copies {r['copies']} ({r['copy_bytes']} B)")
