@@ -50,10 +50,6 @@ def _split_type(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
-def _group_size(attrs: str, default: int) -> int:
-    return len(_groups(attrs, default)[0])
-
-
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?"
                           r"\s*\{([^}]*)\}")
 
@@ -62,7 +58,6 @@ def _groups(attrs: str, devices: int) -> list[list[int]]:
     """The device groups of a collective (explicit lists, the iota form `[G,S]<=[dims]T(perm)`,
     or the named-mesh form `mesh['a'=2,'b'=4], device_ids=(...) {'a'}`: the devices along the
     named axes, read by axis); one group of all devices when none are given."""
-
     named = _MESH_GROUPS.search(attrs)
     if named:
         return _mesh_groups(*named.groups())
@@ -89,9 +84,9 @@ def _iota(dims: str, perm: str | None):
 
 def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> list[list[int]]:
     """XLA's `MeshAxesReplicaGroupList`: the mesh's device array (`device_ids` an iota
-    `[dims]T(perm)` or a list; row-major ids when absent) with the grouped axes (a sub-axis
-    `'a':(pre)size`: `size` devices of axis `a` whose stride is the axis' minor `full / (pre ·
-    size)`) moved last; each group one row."""
+    `[dims]T(perm)` or a list; row-major ids when absent) with the grouped axes moved last,
+    each group one row. A sub-axis `'a':(pre)size` is the middle factor of axis `a` split as
+    pre × size × the rest."""
     import numpy as np
 
     names, sizes = [], []
@@ -352,7 +347,8 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
                 continue
             shapes = [(dt, _dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d))
                       for dt, dims in _SHAPE.findall(typ)]
-            n = _group_size(attrs, devices)
+            groups = _groups(attrs, devices)
+            n = len(groups[0])
             if op == "all-gather-start":  # (operands..., results...): results are n/(n+1)
                 share = n / (n + 1)
             elif op == "collective-permute-start":  # (operand, result, contexts...)
@@ -368,7 +364,7 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
             reducer = re.search(r"to_apply=%?([\w.\-]+)", attrs)
             sites.append({"kind": kind, "op": op, "sent": sum(by_dtype.values()),
                           "by_dtype": by_dtype, "launches": mult[name],
-                          "groups": _groups(attrs, devices), "in_loop": in_loop[name],
+                          "groups": groups, "in_loop": in_loop[name],
                           "beside_compute": computing[name],
                           "promoted": bool(reducer and reducer.group(1).endswith("_promoted"))})
     return sites, unknown
