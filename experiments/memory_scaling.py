@@ -1,5 +1,6 @@
 """Per-device memory vs device count N for ZeRO stages 0-3: the paper's formulas as lines,
-compiled measurements as points. Writes docs/memory_scaling.png and docs/memory.md.
+compiled measurements as points. Writes OUT/memory_scaling.png and OUT/memory_scaling.md
+(the table docs/memory.md quotes).
 
     .venv/bin/python experiments/memory_scaling.py [--preset gpt2-small] \
         [--devices 1,2,4,8,16,32,64]
@@ -94,7 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="gpt2-small")
     p.add_argument("--devices", default="1,2,4,8,16,32,64")
     p.add_argument("--param-dtype", default="bfloat16")
-    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--out", type=Path, default=Path("runs/memory"),
+                   help="directory for memory_scaling.md and memory_scaling.png (default: "
+                        "runs/memory; --out docs refreshes the plot docs/memory.md shows)")
     a = p.parse_args(argv)
     ns = sorted(int(n) for n in a.devices.split(","))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -113,8 +116,8 @@ def main(argv=None) -> int:
                               cmd=" ".join([".venv/bin/python experiments/memory_scaling.py",
                                             *sys.argv[1:]]),
                               secs=time.perf_counter() - t)
-    (a.out / "memory.md").write_text(markdown(rows, header, "memory_scaling.png"))
-    print(f"wrote {a.out / 'memory_scaling.png'} and {a.out / 'memory.md'}")
+    (a.out / "memory_scaling.md").write_text(markdown(rows, header, "memory_scaling.png"))
+    print(f"wrote {a.out / 'memory_scaling.png'} and {a.out / 'memory_scaling.md'}")
     return 0
 
 

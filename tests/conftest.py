@@ -61,14 +61,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # runs, the rest of each sweep: `helpers.sweep`); CI also runs `pytest -m slow`.
 LONGEST_FIRST = ("test_adapters.py", "test_planning.py", "test_zeropp.py", "test_offload.py",
                  "test_optimizers_sharded.py", "test_optimizer_costs.py", "test_compiled.py",
-                 "test_checkpoint.py", "test_train.py", "test_published.py", "test_tied.py",
-                 "test_model_axis.py", "test_fused.py", "test_parity.py", "test_measure.py",
-                 "test_scripts.py", "test_state.py", "test_optimizers.py", "test_delayed.py",
-                 "test_twin_flow.py", "test_model_axis_memory.py", "test_seed.py",
-                 "test_offload_checkpoint.py", "test_update_parts.py", "test_save_contract.py",
-                 "test_precision.py", "test_readme.py", "test_tp_styles.py", "test_models.py",
-                 "test_engine.py", "test_errors.py", "test_bench.py", "test_nvme_store.py")
+                 "test_checkpoint.py", "test_train.py", "test_nvme.py", "test_published.py",
+                 "test_tied.py", "test_model_axis.py", "test_fused.py", "test_parity.py",
+                 "test_measure.py", "test_scripts.py", "test_state.py", "test_optimizers.py",
+                 "test_delayed.py", "test_twin_flow.py", "test_model_axis_memory.py",
+                 "test_seed.py", "test_offload_checkpoint.py", "test_update_parts.py",
+                 "test_save_contract.py", "test_precision.py", "test_readme.py",
+                 "test_tp_styles.py", "test_models.py", "test_engine.py", "test_errors.py",
+                 "test_bench.py", "test_nvme_store.py")
 SLOW_LONGEST_FIRST = ("test_tied.py", "test_train.py", "test_model_axis.py", "test_tp_styles.py",
+                      "test_nvme.py",
                       "test_kills.py", "test_bench.py", "test_delayed.py", "test_parity.py",
                       "test_optimizers_sharded.py", "test_checkpoint.py", "test_optimizers.py",
                       "test_published.py", "test_engine.py", "test_adapters.py", "test_offload.py",

@@ -13,7 +13,7 @@ from flax import nnx
 from helpers import RTOL, assert_tree_close, sweep
 
 import zerojax as zj
-from zerojax.analysis.hlo import collective_bytes
+from zerojax.analysis.hlo import collective_bytes, matmul_flops
 from zerojax.analysis.measurement import lower
 
 V, T, D = 32, 8, 16
@@ -312,6 +312,26 @@ def test_nnx_units_free_gathered_blocks():
     auto = zj.from_nnx(model, nnx_loss)
     assert auto.classes == (MLPBlock,) and stage3(auto, batch)[0] == per_block
     assert all_gathers(hlo) == 1 + 2 * L8  # root; each block forward and in backward
+
+
+def test_without_full_remat_a_unit_keeps_its_matmul_outputs_not_its_weights():
+    """Stage 3 with `remat=False`: a unit's backward gathers its weights again (still 1 + 2
+    per block) and recomputes the rest, but not its matrix products, whose outputs forward
+    kept (as `units.scan`'s layers; before, an adapter's unit recomputed everything whatever
+    `remat` said). Trains as single-device optax."""
+    model = NNXLM(nnx.Rngs(0), layers=2)
+    ref_losses, ref_params = nnx_reference(model)
+    zm = zj.from_nnx(model, nnx_loss, units=(Block,))
+    texts = {}
+    for remat in (True, False):
+        engine = zj.Engine(zm, tx(), zj.make_mesh(data=N), zj.ZeroConfig(stage=3, remat=remat))
+        texts[remat] = stage3(engine, BATCHES[0])[2]
+    assert all_gathers(texts[False]) == all_gathers(texts[True]) == 1 + 2 * 2
+    # each block's forward products run once: its backward has only the gradients' own
+    assert matmul_flops(texts[False])[0] < 0.85 * matmul_flops(texts[True])[0]
+    losses, params = train(engine)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_tree_close(params, ref_params, rtol=RTOL, atol=RTOL)
 
 
 def test_nnx_scan_units_free_gathered_layers(caplog):

@@ -88,7 +88,7 @@ def test_memory_scaling_writes_its_page_and_plot(tmp_path):
                         "test", "--devices", "2", "--out", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    page = (tmp_path / "memory.md").read_text()
+    page = (tmp_path / "memory_scaling.md").read_text()
     assert (tmp_path / "memory_scaling.png").stat().st_size > 0
     # a row per device count and stage: the measured state is the formula without the grads
     # term (printed in MB: to the byte but for padding and a few scalars)

@@ -292,6 +292,61 @@ def test_dropout_and_model_state_are_the_same_on_one_device_and_on_data_x_model(
     assert np.abs(s1["mean"]).max() > 1e-3  # the state moved
 
 
+class Constant:
+    """A split hidden layer plus a buffer the model reads and never changes, here a constant
+    of the program; `Buffered` holds it in the model state (as bonsai's bias-free
+    `ShardedLinear` keeps an `nnx.data` zeros vector)."""
+
+    def init(self, rng):
+        k1, k2 = jax.random.split(rng)
+        return {"up": 0.3 * jax.random.normal(k1, (6, 8)),
+                "down": 0.3 * jax.random.normal(k2, (8, 1))}
+
+    def param_specs(self):
+        return {"up": P(None, "model"), "down": P("model", None)}
+
+    def buffer(self, units):
+        return jnp.zeros((8,))
+
+    def loss(self, params, batch, units):
+        p = units.gather(params)
+        h = jnp.tanh(batch["x"] @ p["up"] + self.buffer(units)[None])
+        return jnp.mean((h @ p["down"] - batch["y"]) ** 2)
+
+
+class Buffered(Constant):
+    def init_state(self, rng):
+        return {"bias": jnp.zeros((8,))}
+
+    def buffer(self, units):
+        return units.state["bias"]
+
+
+def test_the_model_state_costs_no_collective_per_step():
+    """The state is kept whole over `model` (P()); the step's shard_map leaves the automatic
+    axis open, and a buffer added to a split activation was propagated split and gathered
+    over `model` again at the step's end: one all-gather per buffer and step (14 in bonsai's
+    Gemma3 shape). The compiled step with the buffer in the state runs the same collectives as
+    with the buffer a constant."""
+    from collections import Counter
+
+    from zerojax.analysis.hlo import collective_sites, mesh_axis
+
+    batch = {"x": np.zeros((8, 6), np.float32), "y": np.zeros((8, 1), np.float32)}
+
+    def collectives(model):
+        engine = zj.Engine(model, clipped(), zj.make_mesh(data=4, model=2),
+                           zj.ZeroConfig(stage=3))
+        state = engine.init(jax.random.key(0), batch)
+        sites, _ = collective_sites(engine.lower(state, batch).compile().as_text(), 8)
+        return Counter((s["kind"], mesh_axis(s["groups"], 1, 4, 2)) for s in sites
+                       for _ in range(s["launches"]))
+
+    held, constant = collectives(Buffered()), collectives(Constant())
+    assert held == constant, (held, constant)
+    assert constant[("all_gather", "model")] + constant[("all_reduce", "model")] > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Everything else composes
 

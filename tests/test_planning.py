@@ -675,11 +675,12 @@ def test_plan_counts_the_named_optimizers_state(capsys, keep_xla_flags):
 
 def test_plan_largest_reads_k_per_shape(capsys, monkeypatch):
     from zerojax.analysis import largest as lg
+    from zerojax.analysis import largest_command
     from zerojax.analysis.accounting import state_estimate
 
     family = {k: v for k, v in lg.gpt_family().items() if k in ("gpt3-760m", "1b", "gpt3-1.3b",
                                                                "gpt3-2.7b", "gpt-4b")}
-    monkeypatch.setattr(lg, "gpt_family", lambda: family)
+    monkeypatch.setattr(largest_command, "gpt_family", lambda: family)
     argv = ["--devices", "1", "--memory", "40GB", "--largest", "--stages", "0", "--remat", "on",
             "--json"]
     fits = {}

@@ -144,6 +144,36 @@ def test_mesh_axis_tells_data_model_and_replica_groups_apart():
     assert mesh_axis([list(range(8))], 1, 8) == "data"  # as before: one flat data axis
 
 
+def test_groups_on_a_named_mesh_are_read_by_axis():
+    """XLA writes a collective the partitioner placed on a named mesh as the mesh and the axes
+    it runs over (`mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}`: the
+    devices of data 4 x model 2 in model-major order); read as one group of all 8 devices,
+    a model-axis gather counted over "all" at 7/8 of its bytes instead of 1/2."""
+    mesh = "mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0))"
+
+    def one(line):
+        sites, _ = collective_sites(f"ENTRY %main (x: f32[8]) -> f32[16] {{\n  %x = f32[8]{{0}} "
+                                    f"parameter(0)\n  ROOT %g = f32[16]{{0}} all-gather(%x), "
+                                    f"channel_id=1, {line}, dimensions={{0}}, "
+                                    f"use_global_device_ids=true\n}}\n", 8)
+        return sites[0]
+
+    model, data = one(f"replica_groups={mesh} {{'axis_0'}}"), one(
+        f"replica_groups={mesh} {{'axis_1'}}")
+    assert model["groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and model["sent"] == 32
+    assert data["groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]] and data["sent"] == 48
+    assert axis_bytes([model, data], 1, 4, 2) == {"model": 32, "data": 48}
+    # Row-major ids when none are written; a sub-axis `(pre)size`; an explicit id list.
+    assert one("replica_groups=mesh['a'=4,'b'=2] {'b'}")["groups"] == \
+        [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert one("replica_groups=mesh['a'=8] {'a':(2)2}")["groups"] == \
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert one("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}")["groups"] == \
+        [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert one("replica_groups=mesh['a'=4,'b'=2], device_ids=(0,2,4,6,1,3,5,7) {'b'}"
+               )["groups"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+
+
 # A compiled XLA:CPU step on data 4 x model 2: a bf16 all-reduce over model computed in f32
 # (its reducer marked promoted) inside a 3-trip loop of matrix products, a float32 one over
 # model outside, and a 2-trip loop of data gathers with nothing to compute (as the gathers of

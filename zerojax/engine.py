@@ -64,19 +64,14 @@ class Engine:
         self.replica, self.data = mesh_sizes(mesh)
         self.model_parallel = model_size(mesh)
         config.check_mesh(self.replica)
-        if config.offload_device == "nvme":
-            raise ConfigError("offload_device='nvme': the NVMe tier's store and streamed "
-                              "update exist (docs/nvme.md) but no engine runs them yet; use "
-                              "offload_device='cpu'")
         self.axes = batch_axes(mesh)  # the step is manual over these; "model" is automatic
         self.plan: StepPlan | None = None  # its programs: `_jitted`, made once per plan
         # offload: where its state lives and its programs on the device and host meshes
-        # (offload/host.py); the same object runs delayed_update's, and says which one a
-        # state's next step runs
+        # (offload/host.py; nvme: disk.py); the same object runs delayed_update's
         self._offload = None
         if config.offload is not None:
-            from zerojax.offload.host import HostOffload  # the offload wing, when asked for
-            self._offload = HostOffload(self)
+            from zerojax.offload.disk import offload_of  # the offload wing, when asked for
+            self._offload = offload_of(self)  # in host memory, or on disk (nvme)
         self._delay = self._offload if config.delayed_update is not None else None
 
     # ---------------------------------------------------------------- layout discovery
@@ -104,8 +99,8 @@ class Engine:
     @property
     def host_update(self) -> str | None:
         """With offload="optimizer", how the host runs the update: "fused" (a zerojax.adamw's
-        one pass per leaf, offload/fused.py) or "xla: <why not fused>" (the step's planned
-        program); None without offload."""
+        one pass per leaf, offload/fused.py), "nvme" (that pass streamed over the store) or
+        "xla: <why not fused>" (the step's planned program); None without offload."""
         return None if self._offload is None else self._offload.host_update()
 
     def host_part(self, state) -> tuple:
@@ -168,8 +163,9 @@ class Engine:
         shapes = jax.eval_shape(self._to_state, self.layout.unflatten(
             jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in self.layout.leaves),
             logical.abstract_key_data(), self._abstract_model_state())
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            shapes, self.state_shardings())
+        out = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           shapes, self.state_shardings())
+        return out if self._offload is None else self._offload.abstract(out)  # nvme: on disk
 
     def _to_state(self, params, rng, model_state) -> TrainState:
         return logical.to_state(self, params, rng, model_state)
@@ -352,8 +348,9 @@ class Engine:
         """`state` as `logical` reads it: with delayed_update, its pending update applied (in
         the host's own program: applied inside the save's program, the update's outputs were
         seen with other bits by the checksums than by the arrays written, on XLA:CPU). With
-        offload its leaves stay where they live: a save makes each logical leaf there."""
-        return self._delay.settled(state) if self._delay else state
+        offload its leaves stay where they live (nvme: read from the store onto the host
+        mesh), and a save makes each logical leaf there."""
+        return state if self._offload is None else self._offload.saveable(state)
 
     def logical_target(self, leaves: tuple[LeafSpec, ...] | None = None, treedef=None,
                        delayed: bool | None = None) -> dict:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from zerojax.collectives import (
     Wire,
@@ -157,6 +158,14 @@ def average_state(model_state, axes):
     return jax.tree.map(avg, model_state)
 
 
+def whole(plan: StepPlan, model_state):
+    """The model state whole over `model`, as stored (`P()`): the shard_map leaves that axis
+    open, and a leaf read beside a split activation was gathered over it every step."""
+    if model_state is None or plan.layout.model == 1:
+        return model_state
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, P()), model_state)
+
+
 def compute_params(plan: StepPlan, state: TrainState) -> list:
     """Per-leaf compute params as stored for this stage (derived from master when equal)."""
     if state.compute is not None:
@@ -280,7 +289,7 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
     if k == 1:
         grads, (loss, aux, model_state) = grad_fn(
-            args, jax.tree.map(lambda x: x[0], micro), state.model_state, 0)
+            args, jax.tree.map(lambda x: x[0], micro), whole(plan, state.model_state), 0)
     else:
         # The model state goes through the micro-batches in order; typed device-varying
         # throughout, since a micro-step may leave it per device.
@@ -295,9 +304,9 @@ def _local_grads(plan: StepPlan, state: TrainState, batch, to_host: bool,
         acc0 = [jnp.zeros(a.shape, jnp.float32) for a in args]
         acc0 = [vary(a, plan.axes) for a in acc0]
         (grads, model_state), (losses, auxs) = lax.scan(
-            accumulate, (acc0, vary_all(state.model_state)), (micro, jnp.arange(k)))
+            accumulate, (acc0, vary_all(whole(plan, state.model_state))), (micro, jnp.arange(k)))
         loss, aux = losses.mean(), jax.tree.map(lambda x: x.mean(), auxs)
-    model_state = average_state(model_state, plan.axes)
+    model_state = whole(plan, average_state(model_state, plan.axes))
 
     if to_host:  # the shards in host memory; their sums of squares, per unit, on the device
         grads, sqs = grads

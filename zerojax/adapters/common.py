@@ -125,9 +125,10 @@ def unit_call(units, fn, handles, *args):
     """`fn(units.gather(handles), *args)`: one ZeRO unit's call.
 
     In stage 3 the gather and the call are one function whose backward gathers the weights
-    again: forward keeps only the unit's inputs, never its gathered weights. Elsewhere (the
-    replicated stages, plain and recording units) the call is direct, rematerialized when the
-    units say `remat`, as `units.scan` does per layer. Non-array leaves of `args` stay static.
+    again: forward keeps only the unit's inputs (with `remat=False` also its matrix products'
+    outputs, as `units.scan`'s layers), never its gathered weights. Elsewhere (the replicated
+    stages, plain and recording units) the call is direct, rematerialized when the units say
+    `remat`, as `units.scan` does per layer. Non-array leaves of `args` stay static.
     """
     leaves, tree = jax.tree.flatten(args)
     dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
@@ -141,31 +142,40 @@ def unit_call(units, fn, handles, *args):
     xs = [leaves[i] for i in dyn]
     stage = getattr(units, "stage", None)
     if stage == 3:
-        return _regathered(run, xs)
+        return _regathered(run, xs, keep_dots=not getattr(units, "remat", True))
     if stage is not None and getattr(units, "remat", False):
         return jax.checkpoint(run)(xs)
     return run(xs)
 
 
-def _regathered(f, xs):
-    """`f(xs)`, recomputed (gathers included) in backward."""
+def _regathered(f, xs, keep_dots: bool = False):
+    """`f(xs)`, recomputed (gathers included) in backward; `keep_dots`: the outputs of its
+    matrix products kept from forward (`dots_with_no_batch_dims_saveable`) and only the rest
+    recomputed: a layer whose plan splits its activations over `model` runs its projections'
+    all-reduces once, not again in backward (docs/performance.md, "Where Gemma3's time goes")."""
     f_c, consts = jax.closure_convert(f, xs)  # the unit's shards are among the consts
+    saving = jax.checkpoint(f_c, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
     @jax.custom_vjp
     def call(xs, consts):
         return f_c(xs, *consts)
 
     def fwd(xs, consts):
+        if keep_dots:
+            return jax.vjp(saving, xs, *consts)  # the residuals: inputs, shards, saved dots
         return f_c(xs, *consts), (xs, consts)
 
     def bwd(res, ct):
-        xs, consts = res
         # The backward's gathers must depend on the cotangent: XLA drops remat's optimization
         # barriers and would merge (CSE) them with the forward's identical gathers, keeping
         # every unit's gathered weights alive from forward to backward.
         zero = _zero_from(ct)
-        consts = [c + zero.astype(c.dtype) if _is_float(c) else c for c in consts]
-        _, vjp = jax.vjp(lambda xs, *k: f_c(xs, *k), xs, *consts)
+        later = lambda c: c + zero.astype(c.dtype) if _is_float(c) else c  # noqa: E731
+        if keep_dots:
+            vjp = jax.tree.map(later, res)
+        else:
+            xs, consts = res
+            _, vjp = jax.vjp(lambda xs, *k: f_c(xs, *k), xs, *map(later, consts))
         ct_xs, *ct_consts = vjp(ct)
         return ct_xs, ct_consts
 

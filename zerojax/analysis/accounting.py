@@ -22,13 +22,14 @@ from zerojax.analysis.estimate_args import (
     EstimateError,
     check_args,
     check_delayed,
+    check_device,
     check_formats,
     check_fraction,
     check_hpz,
 )
 from zerojax.analysis.tensor import Activations
 from zerojax.collectives.quantize import SCALE_BYTES, bytes_per_element
-from zerojax.config import QUANT_BLOCK
+from zerojax.config import NVME_BUFFER_COUNT, NVME_BUFFER_SIZE, QUANT_BLOCK
 from zerojax.precision import DTYPES
 from zerojax.step import stores_compute
 
@@ -39,7 +40,8 @@ from zerojax.step import stores_compute
 class MemoryEstimate:
     """Per-device model-state bytes: `total` is what device memory holds; with optimizer
     offload the master and optimizer state are in `host` memory instead and `transfer` bytes cross
-    between host and device each step."""
+    between host and device each step; with the NVMe tier they are `on_disk` and the host holds
+    the I/O buffers (`ring`) instead."""
 
     params: float  # compute params, Ψ·pb (stage 3: /N)
     grads: float  # gradients, Ψ·gb (stages 2, 3: /N)
@@ -53,13 +55,18 @@ class MemoryEstimate:
     # total, while a step runs)
     pending: float = 0.0
     ahead: float = 0.0
+    # offload_device="nvme": the master and optimizer state in the store's files, Ψ·K/N (not in
+    # host); the host keeps the ring of I/O buffers its update streams them through (in host)
+    on_disk: float = 0.0
+    ring: float = 0.0
 
     @property
     def host_peak(self) -> float:
         """Offload: the host's peak while the update runs in place: the state, the gradient
         shard that came down and the compute shard that goes up, Ψ·(K + gb + pb)/N (with the
-        delayed update: + the pending gradient shard, Ψ·gb/N)."""
-        return self.host + self.transfer if self.host else 0.0
+        delayed update: + the pending gradient shard, Ψ·gb/N; the NVMe tier: the ring in place
+        of the state)."""
+        return self.host + self.transfer if self.host or self.transfer else 0.0
 
     @property
     def state(self) -> float:
@@ -68,10 +75,11 @@ class MemoryEstimate:
         return self.total - self.grads - self.secondary - self.ahead
 
     def as_dict(self) -> dict[str, float]:
-        """The fields, and offload's `host_peak`; hpZ's `secondary`, `host_peak` and the
-        delayed update's `pending` and `ahead` only where they are not 0."""
+        """The fields, and offload's `host_peak`; hpZ's `secondary`, `host_peak`, the
+        delayed update's `pending` and `ahead` and the NVMe tier's `on_disk` and `ring` only
+        where they are not 0."""
         return _without_zero(dataclasses.asdict(self) | {"host_peak": self.host_peak},
-                             ("secondary", "host_peak", "pending", "ahead"))
+                             ("secondary", "host_peak", "pending", "ahead", "on_disk", "ring"))
 
     def row(self) -> dict[str, str]:
         """The columns `zerojax estimate` prints for a stage's memory (offload's host bytes
@@ -81,6 +89,8 @@ class MemoryEstimate:
         if self.host or self.transfer:
             row |= {"host": format_bytes(self.host), "host peak": format_bytes(self.host_peak),
                     "host<->device": format_bytes(self.transfer)}
+        if self.on_disk:
+            row["disk"] = format_bytes(self.on_disk)
         if self.pending:
             row["of which pending"] = format_bytes(self.pending)
         if self.secondary:
@@ -148,6 +158,8 @@ def estimate(
     split_params: float | None = None,
     delayed_update: int | None = None,
     offload_fraction: float = 1.0,
+    offload_device: str = "cpu",
+    ring_bytes: float | None = None,
 ) -> MemoryEstimate:
     """Per-device model-state bytes for `stage` on `devices` (sharded over devices / replica).
 
@@ -177,6 +189,12 @@ def estimate(
     `offload_fraction=f` (Twin-Flow) keeps only the share f of those host bytes (and of the
     transfer) on the host; the devices hold and update the rest (in `optimizer` and `total`).
     The engine splits by whole leaves, so its measured share is near f, not exactly f.
+
+    `offload_device="nvme"` (ZeRO-Infinity's tier, docs/nvme.md) keeps those master and
+    optimizer bytes `on_disk` (each device's shard in its process's store) instead of in
+    `host`, which holds the ring of I/O buffers the update streams them through,
+    `ring_bytes` per device (default `nvme_ring_bytes()`), and the pending gradient shard; the
+    host peak is the ring, the pending shard and the update's gradient and compute shards.
     """
     n = check_args(
         num_params,
@@ -193,6 +211,7 @@ def estimate(
     check_hpz(hpz, stage, replica)
     check_delayed(delayed_update, offload)
     check_fraction(offload_fraction, offload)
+    ring = check_device(offload_device, offload, ring_bytes, nvme_ring_bytes())
     psi = _piece(int(num_params), model, split_params)
     secondary = psi * (param_bytes if secondary_bytes is None else secondary_bytes) / n \
         if hpz else 0.0
@@ -209,9 +228,19 @@ def estimate(
     ahead = psi * param_bytes / n if delayed_update is not None else 0.0
     f = offload_fraction
     kept = (1 - f) * (optimizer + pending)  # Twin-Flow's share, in device memory
-    return MemoryEstimate(params, grads, kept, params + grads + kept + secondary + ahead,
-                          f * (optimizer + pending), f * transfer, secondary, f * pending,
-                          ahead)
+    # The NVMe tier: the host's share of master and optimizer state in the store, streamed
+    # through the ring; the pending gradient stays in host memory as it arrived.
+    host, disk = (f * pending + ring, f * optimizer) if ring else (f * (optimizer + pending), 0.0)
+    return MemoryEstimate(params, grads, kept, params + grads + kept + secondary + ahead, host,
+                          f * transfer, secondary, f * pending, ahead, disk, ring)
+
+
+def nvme_ring_bytes(buffer_size: int = NVME_BUFFER_SIZE,
+                    buffer_count: int = NVME_BUFFER_COUNT) -> int:
+    """Host bytes of the NVMe tier's ring per device shard: `buffer_count` buffers of
+    `buffer_size` elements of master, mu and nu in float32 (ZeroConfig's `nvme_buffer_size`
+    and `nvme_buffer_count`; the defaults: 48 MiB)."""
+    return buffer_count * 3 * MASTER_BYTES * buffer_size
 
 
 # XLA:GPU's pinned-host allocator (where offload's gradient shard goes on its way to the host
@@ -243,7 +272,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                    quant_block: int = QUANT_BLOCK, model: int = 1,
                    split_params: float | None = None,
                    delayed_update: int | None = None,
-                   offload_fraction: float = 1.0) -> MemoryEstimate:
+                   offload_fraction: float = 1.0, offload_device: str = "cpu",
+                   ring_bytes: float | None = None) -> MemoryEstimate:
     """Per-device model-state bytes of a zerojax engine training in `param_dtype` with an
     optimizer whose state takes `optimizer_state_bytes` per param (default: Adam's two fp32
     moments, 8; any optimizer's: `zerojax.analysis.measurement.state_size(...).per_param`).
@@ -259,7 +289,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
     `quantize_grads` (qgZ sums the dequantized pieces in float32) gradients are float32.
     `model`, `split_params`: the model axis, as `estimate` takes it. `delayed_update`: the
     pending update's host and device bytes, as `estimate` counts them; `offload_fraction`:
-    Twin-Flow's host share, as `estimate` takes it.
+    Twin-Flow's host share, `offload_device` and `ring_bytes`: the NVMe tier, as `estimate`
+    takes them.
     """
     if param_dtype not in DTYPES:
         raise EstimateError(f"param_dtype={param_dtype!r} is not supported; use one of "
@@ -275,7 +306,8 @@ def state_estimate(num_params: int, devices: int, stage: int, param_dtype: str =
                     optimizer_bytes=optimizer_state_bytes + master, replica=replica,
                     offload=offload, hpz=hpz, secondary_bytes=secondary, model=model,
                     split_params=split_params, delayed_update=delayed_update,
-                    offload_fraction=offload_fraction)
+                    offload_fraction=offload_fraction, offload_device=offload_device,
+                    ring_bytes=ring_bytes)
 
 
 def shares_master(param_dtype: str, stage: int, offload: str | None = None) -> bool:

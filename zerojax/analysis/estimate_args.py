@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from zerojax.collectives.quantize import FORMATS
-from zerojax.config import OFFLOADS
+from zerojax.config import OFFLOAD_DEVICES, OFFLOADS
 
 STAGES = (0, 1, 2, 3)
 
@@ -75,6 +75,26 @@ def check_delayed(delayed_update: Any, offload: Any) -> None:
     if offload is None:
         raise EstimateError(f"delayed_update={delayed_update} needs offload='optimizer' (got "
                             f"offload=None): the delayed update is the offloaded one")
+
+
+def check_device(offload_device: Any, offload: Any, ring_bytes: Any, default: int) -> float:
+    """Checks the offload device; returns the NVMe ring's bytes per device (0 for "cpu")."""
+    if not isinstance(offload_device, str) or offload_device not in OFFLOAD_DEVICES:
+        raise EstimateError(f"offload_device={offload_device!r} is not an offload device; use "
+                            f"one of {OFFLOAD_DEVICES}")
+    if offload_device == "cpu":
+        if ring_bytes is not None:
+            raise EstimateError(f"ring_bytes={ring_bytes!r} sizes the NVMe tier's buffers; give "
+                                f"offload_device='nvme' or drop it")
+        return 0.0
+    if offload is None:
+        raise EstimateError(f"offload_device={offload_device!r} needs offload='optimizer' (got "
+                            f"offload=None): the NVMe tier holds the offloaded state")
+    ring = default if ring_bytes is None else ring_bytes
+    if isinstance(ring, bool) or not isinstance(ring, (int, float)) or not ring > 0:
+        raise EstimateError(f"ring_bytes={ring!r} must be a positive number of bytes (the NVMe "
+                            f"ring per device: buffer count x 3 x 4 x buffer size)")
+    return float(ring)
 
 
 def check_hpz(hpz: Any, stage: int, replica: int) -> None:

@@ -13,6 +13,7 @@ from zerojax.analysis.accounting import (
     comm_estimate,
     estimate,
     format_bytes,
+    nvme_ring_bytes,
     pinned_limit,
 )
 from zerojax.analysis.commands import _shape_args, model_config, quantize_args
@@ -28,7 +29,7 @@ from zerojax.analysis.estimate_table import estimate_table
 from zerojax.analysis.planning import named_optimizer
 from zerojax.app.presets import OPTIMIZERS
 from zerojax.collectives.quantize import bytes_per_element
-from zerojax.config import OFFLOADS, QUANT_BLOCK
+from zerojax.config import OFFLOAD_DEVICES, OFFLOADS, QUANT_BLOCK
 
 
 def estimate_main(argv: list[str]) -> int:
@@ -65,6 +66,10 @@ def estimate_main(argv: list[str]) -> int:
     p.add_argument("--offload", choices=OFFLOADS, default=None,
                    help="stages 1-3 keep the optimizer bytes in host memory (stage 0 stays "
                         "the baseline); adds host, host peak and host<->device columns")
+    p.add_argument("--offload-device", choices=OFFLOAD_DEVICES, default="cpu",
+                   help="with --offload: where the offloaded state lives: cpu (host memory) or "
+                        "nvme (ZeRO-Infinity: on disk, streamed through a ring of host buffers; "
+                        "adds a disk column)")
     p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
                    help="with --offload: the delayed parameter update (train --delayed-update "
                         "K): + its pending gradient shard (Ψ/N in the gradient's "
@@ -84,7 +89,11 @@ def estimate_main(argv: list[str]) -> int:
     if a.offload_fraction is not None and (a.offload is None or not 0 < a.offload_fraction <= 1):
         p.error(f"--offload-fraction {a.offload_fraction} needs --offload optimizer and a value "
                 f"in (0, 1]: the host's share of the offloaded state")
+    if a.offload_device == "nvme" and a.offload is None:
+        p.error("--offload-device nvme needs --offload optimizer: the NVMe tier holds the "
+                "offloaded master and optimizer state")
     fraction = 1.0 if a.offload_fraction is None else a.offload_fraction
+    nvme = a.offload_device == "nvme"
     if a.hpz and a.replica < 2:
         p.error("--hpz needs --replica R > 1: hpZ shards its secondary copy within a replica")
     m = a.model_parallel
@@ -115,14 +124,15 @@ def estimate_main(argv: list[str]) -> int:
                               offload=a.offload, quantize_weights=a.quantize_weights,
                               quantize_grads=a.quantize_grads, hpz=a.hpz,
                               activations=activations, delayed_update=a.delayed_update,
-                              offload_fraction=fraction)
+                              offload_fraction=fraction, offload_device=a.offload_device)
         qw = bytes_per_element(a.quantize_weights, QUANT_BLOCK) if a.quantize_weights else None
         out = [{"stage": s, "offload": a.offload if s else None,
                 "memory": estimate(psi, a.devices, s, **mem_kw,
                                    offload=a.offload if s else None, hpz=a.hpz and s == 3,
                                    secondary_bytes=qw,
                                    delayed_update=a.delayed_update if s else None,
-                                   offload_fraction=fraction if s else 1.0).as_dict(),
+                                   offload_fraction=fraction if s else 1.0,
+                                   offload_device=a.offload_device if s else "cpu").as_dict(),
                 "comm": comm_estimate(psi, a.devices, s, **comm_kw,
                                       quantize_weights=a.quantize_weights if s else None,
                                       quantize_grads=a.quantize_grads,
@@ -136,13 +146,20 @@ def estimate_main(argv: list[str]) -> int:
                       facts)
     if a.json:
         print(json.dumps({"params": psi, "devices": a.devices, "replica": a.replica,
+                          "offload_device": a.offload_device if a.offload else None,
                           "model_parallel": m, "split_params": split, "model": name,
                           "optimizer": a.optimizer, "optimizer_bytes": k,
                           "optimizer_bytes_from": source, "assumptions": facts,
                           "stages": out, "activations": act_rows or None}, indent=1))
     else:
         title = f"Ψ = {psi:,} params on {a.devices} devices (per device)"
-        if a.offload:
+        if nvme:
+            title += ("; total: device bytes, disk: master + optimizer state in the NVMe store "
+                      f"(each device's shard), host: the ring of I/O buffers "
+                      f"({format_bytes(nvme_ring_bytes())} a device: ZeroConfig's "
+                      "nvme_buffer_count x 3 x 4 bytes x nvme_buffer_size), host peak: + the "
+                      "gradient shard down and the compute shard up while the update streams")
+        elif a.offload:
             title += ("; total: device bytes, host: master + optimizer state in host memory, "
                       "host peak: + the gradient shard down and the compute shard up while "
                       "the update runs in place (in the CPU backend's memory; XLA:GPU's "

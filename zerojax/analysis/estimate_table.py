@@ -11,6 +11,7 @@ from zerojax.analysis.estimate_args import (
     STAGES,
     EstimateError,
     check_delayed,
+    check_device,
     check_formats,
     check_fraction,
 )
@@ -28,10 +29,12 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     add the `host` bytes, the `host peak` of the in-place host update (`host_peak`) and the
     host<->device `transfer` per step; `total` is device bytes. `delayed_update` (with
     `offload`) counts the pending update (`estimate`) and adds its column; `offload_fraction`
-    (Twin-Flow) keeps that share on the host.
+    (Twin-Flow) keeps that share on the host. `offload_device="nvme"` (and its `ring_bytes`):
+    the master and optimizer state on disk, a `disk` column (`MemoryEstimate.on_disk`).
     """
     mem_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "replica", "offload", "model",
-                "split_params", "delayed_update", "offload_fraction")
+                "split_params", "delayed_update", "offload_fraction", "offload_device",
+                "ring_bytes")
     comm_keys = ("param_bytes", "grad_bytes", "reduce_bytes", "replica", "model",
                  "split_params", "activations")
     zeropp_keys = ("quantize_weights", "quantize_grads", "hpz")
@@ -47,8 +50,10 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
     offload = mem_kw.pop("offload", None)
     delayed = mem_kw.pop("delayed_update", None)
     fraction = mem_kw.pop("offload_fraction", 1.0)
+    device, ring = mem_kw.pop("offload_device", "cpu"), mem_kw.pop("ring_bytes", None)
     check_delayed(delayed, offload)
     check_fraction(fraction, offload)
+    check_device(device, offload, ring, 1)
     base = estimate(num_params, devices, 0, **mem_kw).total
     secondary = bytes_per_element(qw, QUANT_BLOCK) if qw else mem_kw.get("param_bytes", 2)
     rows = []
@@ -59,11 +64,14 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
         m = estimate(num_params, devices, stage, **mem_kw, offload=offload if stage else None,
                      hpz=zpp["hpz"], secondary_bytes=secondary,
                      delayed_update=delayed if stage else None,
-                     offload_fraction=fraction if stage else 1.0)
+                     offload_fraction=fraction if stage else 1.0,
+                     offload_device=device if stage else "cpu",
+                     ring_bytes=ring if stage else None)
         c = comm_estimate(num_params, devices, stage, **comm_kw, **zpp)
         saving = 1 - m.total / base if base else 0.0
         row = {
-            "stage": str(stage) + (" + offload" if offload and stage else ""),
+            "stage": str(stage) + (f" + offload{' (nvme)' * (device == 'nvme')}"
+                                   if offload and stage else ""),
             "params": format_bytes(m.params),
             "grads": format_bytes(m.grads),
             "optimizer": format_bytes(m.optimizer),
@@ -75,6 +83,8 @@ def estimate_table(num_params: int, devices: int, **kwargs: Any) -> list[dict[st
             row["host"] = format_bytes(m.host)
             row["host peak"] = format_bytes(m.host_peak) if stage else format_bytes(0)
             row["host<->device"] = format_bytes(m.transfer)
+        if device == "nvme":
+            row["disk"] = format_bytes(m.on_disk)
         if offload and delayed is not None:
             row["of which pending"] = format_bytes(m.pending)
         if hpz:

@@ -50,17 +50,17 @@ def _split_type(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
-def _group_size(attrs: str, default: int) -> int:
-    explicit = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
-    if explicit:
-        return len(explicit.group(1).split(","))
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # [groups, size]<=[...]
-    return int(iota.group(2)) if iota else default
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?"
+                          r"\s*\{([^}]*)\}")
 
 
 def _groups(attrs: str, devices: int) -> list[list[int]]:
-    """The device groups of a collective (explicit lists, or the iota form
-    `[G,S]<=[dims]T(perm)`); one group of all devices when none are given."""
+    """The device groups of a collective (explicit lists, the iota form `[G,S]<=[dims]T(perm)`,
+    or the named-mesh form `mesh['a'=2,'b'=4], device_ids=(...) {'a'}`: the devices along the
+    named axes, read by axis); one group of all devices when none are given."""
+    named = _MESH_GROUPS.search(attrs)
+    if named:
+        return _mesh_groups(*named.groups())
     explicit = re.search(r"replica_groups=\{(\{[^=]*?\})\}", attrs)
     if explicit:
         return [[int(i) for i in g.split(",") if i.strip()]
@@ -69,13 +69,58 @@ def _groups(attrs: str, devices: int) -> list[list[int]]:
                      attrs)
     if not iota:
         return [list(range(devices))]
+    return _iota(iota.group(3), iota.group(4)).reshape(
+        int(iota.group(1)), int(iota.group(2))).tolist()
+
+
+def _iota(dims: str, perm: str | None):
+    """`[dims]T(perm)`: iota over `dims`, transposed by `perm`."""
     import numpy as np
 
-    dims = [int(d) for d in iota.group(3).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(4):
-        ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
-    return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
+
+
+def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> list[list[int]]:
+    """XLA's `MeshAxesReplicaGroupList`: the mesh's device array (`device_ids` an iota
+    `[dims]T(perm)` or a list; row-major ids when absent) with the grouped axes moved last,
+    each group one row. A sub-axis `'a':(pre)size` is the middle factor of axis `a` split as
+    pre × size × the rest."""
+    import numpy as np
+
+    names, sizes = [], []
+    for entry in re.findall(r"'?([^,'=]+)'?=(\d+)", axes):
+        names.append(entry[0])
+        sizes.append(int(entry[1]))
+    if device_ids is None:
+        ids = np.arange(math.prod(sizes))
+    else:
+        tiled = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", device_ids)
+        ids = _iota(*tiled.groups()) if tiled else np.array(
+            [int(i) for i in re.findall(r"\d+", device_ids)])
+    refs: dict[int, list[tuple[int, int, int]]] = {}  # mesh dim -> [(pre, size, order)]
+    for order, ref in enumerate(re.findall(r"'?([^,':]+)'?(?::\((\d+)\)(\d+))?", grouped)):
+        dim = names.index(ref[0].strip())
+        full = sizes[dim]
+        refs.setdefault(dim, []).append((int(ref[1]), int(ref[2]), order) if ref[1]
+                                        else (1, full, order))
+    reshape, taken = [], {}  # taken: order -> axis of the reshaped array
+    for dim, full in enumerate(sizes):
+        done = 1
+        for pre, size, order in sorted(refs.get(dim, [])):
+            if pre != done:
+                reshape.append(pre // done)
+                done = pre
+            taken[order] = len(reshape)
+            reshape.append(size)
+            done *= size
+        if done != full:
+            reshape.append(full // done)
+    grouped_axes = [taken[o] for o in sorted(taken)]
+    rest = [a for a in range(len(reshape)) if a not in grouped_axes]
+    size = math.prod(reshape[a] for a in grouped_axes)
+    return ids.reshape(reshape).transpose(rest + grouped_axes).reshape(-1, size).tolist()
 
 
 def mesh_axis(groups: list[list[int]], replica: int, data: int, model: int = 1) -> str:
@@ -302,7 +347,8 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
                 continue
             shapes = [(dt, _dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d))
                       for dt, dims in _SHAPE.findall(typ)]
-            n = _group_size(attrs, devices)
+            groups = _groups(attrs, devices)
+            n = len(groups[0])
             if op == "all-gather-start":  # (operands..., results...): results are n/(n+1)
                 share = n / (n + 1)
             elif op == "collective-permute-start":  # (operand, result, contexts...)
@@ -318,7 +364,7 @@ def collective_sites(hlo_text: str, devices: int) -> tuple[list[dict], int]:
             reducer = re.search(r"to_apply=%?([\w.\-]+)", attrs)
             sites.append({"kind": kind, "op": op, "sent": sum(by_dtype.values()),
                           "by_dtype": by_dtype, "launches": mult[name],
-                          "groups": _groups(attrs, devices), "in_loop": in_loop[name],
+                          "groups": groups, "in_loop": in_loop[name],
                           "beside_compute": computing[name],
                           "promoted": bool(reducer and reducer.group(1).endswith("_promoted"))})
     return sites, unknown

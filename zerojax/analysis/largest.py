@@ -1,28 +1,18 @@
 """`largest`: the biggest GPT shape whose estimated peak fits a memory budget, per stage, with
-or without optimizer offload, from formulas alone (the model-state estimator plus an activation
-estimate); and the `plan --largest` command that prints it."""
+or without optimizer offload (its state in host memory or on disk), from formulas alone (the
+model-state estimator plus an activation estimate); largest_command.py prints it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import sys
 from typing import Any
 
-from zerojax.analysis.accounting import (
-    ADAM_BYTES,
-    PINNED_LIMIT_DEFAULT_GB,
-    PINNED_LIMIT_ENV,
-    format_bytes,
-    pinned_limit,
-    state_estimate,
-)
-from zerojax.analysis.console import print_assumptions, print_table
+from zerojax.analysis.accounting import ADAM_BYTES, state_estimate
 from zerojax.analysis.estimate_args import STAGES, EstimateError
-from zerojax.analysis.planning import MARGIN, named_optimizer
+from zerojax.analysis.planning import MARGIN
 
 # The share of the host's memory `largest` keeps free, as the planner keeps MARGIN of the
 # device's: the host peak counts the state and the update's shards alone, and the host also
@@ -124,7 +114,8 @@ class Fit:
     """The estimated per-device peak of one GPT shape at one stage: model state (params, grads,
     optimizer: `state_estimate`) + activations (`activation_bytes`) + stage 3's gathered unit
     (its compute params and their gradient, for the largest unit). With offload, `state` and
-    `peak` are device bytes and the master and optimizer state are `host` bytes."""
+    `peak` are device bytes and the master and optimizer state are `host` bytes, or with the
+    NVMe tier `on_disk` bytes."""
 
     name: str
     num_params: int
@@ -143,16 +134,28 @@ class Fit:
     # offload: what XLA:GPU's pinned-host pool holds, the gradient shard on its way to the
     # host mesh (the state lives in the CPU backend's memory)
     pinned: float = 0.0
+    # offload_device="nvme": the master and optimizer state in the store, per device (not in
+    # `host`, which holds the `ring` of I/O buffers instead)
+    on_disk: float = 0.0
+    ring: float = 0.0
+
+    @property
+    def offloaded(self) -> float:
+        """The offloaded state, in host memory or on disk: master, optimizer state, pending."""
+        return self.host - self.ring + self.on_disk
 
     def over(self, device_memory: float, host_memory: float | None = None,
-             pinned: float | None = None) -> list[str]:
+             pinned: float | None = None, disk: float | None = None) -> list[str]:
         """The memories this shape's estimate does not fit: "device", "host" (its
-        `host_peak` over `host_memory`), "pinned-host limit" (its `pinned` over `pinned`)."""
+        `host_peak` over `host_memory`), "pinned-host limit" (its `pinned` over `pinned`),
+        "disk" (its `on_disk` over `disk`)."""
         out = ["device"] if self.peak > device_memory else []
         if host_memory is not None and self.host_peak > host_memory:
             out.append("host")
         if pinned is not None and self.pinned > pinned:
             out.append("pinned-host limit")
+        if disk is not None and self.on_disk > disk:
+            out.append("disk")
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -162,16 +165,17 @@ class Fit:
 def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int,
                  param_dtype: str = "bfloat16", remat: bool = True,
                  offload: str | None = None, optimizer_state_bytes: float = ADAM_BYTES,
-                 delayed_update: int | None = None) -> Fit:
+                 delayed_update: int | None = None, offload_device: str = "cpu") -> Fit:
     """`Fit` of the GPT `cfg` (called `name`) on `devices` at `stage`, with an optimizer state
     of `optimizer_state_bytes` per param (default: Adam's 8); `delayed_update` (with offload):
-    the pending update's bytes (`accounting.estimate`)."""
+    the pending update's bytes; `offload_device="nvme"`: the state on disk
+    (`accounting.estimate`)."""
     from zerojax.models.gpt import GPT
 
     psi = GPT(cfg).num_params()
     mem = state_estimate(psi, devices, stage, param_dtype, offload=offload,
                          optimizer_state_bytes=optimizer_state_bytes,
-                         delayed_update=delayed_update)
+                         delayed_update=delayed_update, offload_device=offload_device)
     state = mem.total
     act = activation_bytes(cfg, batch_per_device, param_dtype, remat)["total"]
     # Stage 3 gathers one unit at a time: the largest is a layer or the vocabulary table.
@@ -180,7 +184,7 @@ def estimate_fit(name: str, cfg, devices: int, stage: int, batch_per_device: int
     pinned = psi * _itemsize(param_dtype) / devices if offload else 0.0
     return Fit(name, psi, stage, remat, state, act, gathered, state + act + gathered, offload,
                mem.host, mem.transfer, optimizer_state_bytes, mem.host_peak, mem.pending,
-               pinned)
+               pinned, mem.on_disk, mem.ring)
 
 
 def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
@@ -188,7 +192,8 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
             family: dict[str, Any] | None = None, offload: str | None = None,
             host_memory: float | None = None, pinned: float | None = None,
             optimizer=None, delayed_update: int | None = None,
-            host_margin: float = HOST_MARGIN) -> list[dict[str, Any]]:
+            host_margin: float = HOST_MARGIN, offload_device: str = "cpu",
+            disk: float | None = None) -> list[dict[str, Any]]:
     """Per (stage, remat): the largest shape of `family` (default `gpt_family()`) whose
     estimated peak fits `device_memory`, and the next larger one, which does not.
 
@@ -201,7 +206,10 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
     gradient and compute shards), and
     `pinned` (XLA:GPU's pinned-host pool) the gradient shard on its way there (`Fit.pinned`).
     `delayed_update` (with `offload`) adds the pending update: its gradient shard to the
-    host, the next compute shard to the device peak.
+    host, the next compute shard to the device peak. `offload_device="nvme"` (with `offload`):
+    the master and optimizer state on disk, where `disk` (bytes per device, if given) must hold
+    each device's share of the store (`Fit.on_disk`); the host peak is then the ring of I/O
+    buffers and the update's shards.
     Rows: {"stage", "remat", "offload", "fits": Fit | None, "next": Fit | None, "binds": the
     memories the next larger shape does not fit (`Fit.over`)}. Arithmetic only.
     """
@@ -215,15 +223,16 @@ def largest(devices: int, device_memory: float, *, batch_per_device: int = 1,
         if offload is not None and stage == 0:
             continue
         fits = [estimate_fit(n, c, devices, stage, batch_per_device, param_dtype, rm, offload,
-                             k[n], delayed_update) for n, c in family.items()]
-        ok = [f for f in fits if not f.over(device_memory, host_memory, pinned)]
+                             k[n], delayed_update, offload_device) for n, c in family.items()]
+        ok = [f for f in fits if not f.over(device_memory, host_memory, pinned, disk)]
         best = max(ok, key=lambda f: f.num_params) if ok else None
         bigger = [f for f in fits if f not in ok
                   and (best is None or f.num_params > best.num_params)]
         nxt = min(bigger, key=lambda f: f.num_params) if bigger else None
         rows.append({"stage": stage, "remat": rm, "offload": offload, "fits": best,
                      "next": nxt,
-                     "binds": nxt.over(device_memory, host_memory, pinned) if nxt else []})
+                     "binds": nxt.over(device_memory, host_memory, pinned, disk) if nxt
+                     else []})
     return rows
 
 
@@ -233,161 +242,13 @@ TWIN_STEP = 0.05  # Twin-Flow's host share, chosen in steps of this
 def twin_flow_fraction(fit: Fit, device_memory: float, step: float = TWIN_STEP,
                        margin: float = MARGIN) -> float:
     """Twin-Flow's choice for an offloaded `fit`: the least `offload_fraction` (a multiple of
-    `step`, at least `step`) whose devices' share of the host state (master, optimizer state,
-    a pending gradient) fits beside the estimated device peak in `device_memory` less
-    `margin` of it (the planner's `MARGIN`: the room the estimate leaves out). The devices
-    update their share at their memory's bandwidth, so the less the host keeps, the less its
-    update and the moves cost; 1.0 where no room is left."""
-    if fit.host <= 0:
+    `step`, at least `step`) whose devices' share of the offloaded state (master, optimizer
+    state, a pending gradient; in host memory or on disk) fits beside the estimated device
+    peak in `device_memory` less `margin` of it (the planner's `MARGIN`: the room the estimate
+    leaves out). The devices update their share at their memory's bandwidth, so the less the
+    host keeps, the less its update and the moves cost; 1.0 where no room is left."""
+    if fit.offloaded <= 0:
         return 1.0
     room = max(device_memory * (1 - margin) - fit.peak, 0.0)
-    least = math.ceil(round((1 - room / fit.host) / step, 9)) * step
+    least = math.ceil(round((1 - room / fit.offloaded) / step, 9)) * step
     return round(min(1.0, max(step, least)), 9)
-
-
-def _optimizer_fact(name: str, optimizer, family) -> str:
-    if optimizer is None:
-        return ("AdamW, moments in float32 (state: zerojax.analysis.accounting.state_estimate, "
-                "grads included)")
-    from zerojax.app.presets import STATE, TITLE
-
-    ks = [state_per_param(optimizer, c) for c in family.values()]
-    return (f"{TITLE[name]}, {STATE[name]} in float32: K = {min(ks):.4g} to {max(ks):.4g} "
-            f"bytes per param over the shapes, read from its init (AdamW: 8); state: "
-            f"zerojax.analysis.accounting.state_estimate, grads included")
-
-
-def largest_main(p, a) -> int:
-    """`plan --largest`: per stage and remat, the largest shape of `gpt_family()` whose estimated
-    peak fits `--memory`, from formulas alone."""
-    if a.model is not None:
-        p.error(f"--largest searches GPT shapes itself; drop --model {a.model}")
-    batch = a.batch or a.devices
-    if batch % a.devices:
-        p.error(f"--batch {batch} is not divisible by --devices {a.devices}; use a multiple")
-    b = batch // a.devices
-    remat = {"both": (True, False), "on": (True,), "off": (False,)}[a.remat]
-    family = gpt_family()
-    # AdamW's init gives Adam's 8 bytes per param on every shape: None says so, at no cost.
-    optimizer = None if a.optimizer == "adamw" else named_optimizer(a.optimizer)
-    kw = dict(batch_per_device=b, param_dtype=a.param_dtype, stages=a.stages, remat=remat,
-              family=family, optimizer=optimizer)
-    delayed = getattr(a, "delayed_update", None)
-    if delayed is not None and a.offload == "off":
-        p.error(f"--delayed-update {delayed} sizes the offload columns, which --offload off "
-                f"drops; use --offload auto")
-    host, host_margin = a.host_memory, getattr(a, "host_margin", HOST_MARGIN)
-    if host is not None and not host > 0:
-        p.error(f"--host-memory {host:g}: give the host memory per device that offload may "
-                f"use, e.g. 125GB, or leave it out (not limited)")
-    try:
-        pinned = None if a.pinned_limit == "none" else a.pinned_limit or pinned_limit()
-        rows = largest(a.devices, a.memory, **kw)
-        off = {} if a.offload == "off" else {
-            (r["stage"], r["remat"]): r for r in largest(
-                a.devices, a.memory, **kw, offload="optimizer", host_memory=host,
-                pinned=pinned, delayed_update=delayed, host_margin=host_margin)}
-    except EstimateError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
-    dtype = a.param_dtype
-    sample = activation_bytes(family["1b"], b, dtype, True)
-    facts = {
-        "memory budget": f"{format_bytes(a.memory)} per device for the estimated peak",
-        "devices": f"{a.devices} (data parallel; stages 1-3 shard over all of them)",
-        "global batch": f"{batch} sequence{'s' if batch > 1 else ''} ({b} per device), "
-                        "no grad_accum",
-        "sequence length": ", ".join(sorted({str(c.seq_len) for c in family.values()})),
-        "params and grads": f"{dtype}",
-        "master params": "float32" if dtype != "float32" else
-                         "the float32 params themselves in stages 0 and 3",
-        "optimizer": _optimizer_fact(a.optimizer, optimizer, family),
-        "activations": "Korthikanti et al. 2022 per layer, b·T·d·(34 + 5·a·T/d) at 2 bytes "
-                       "(scaled to the dtype; attention scores counted, as XLA's attention "
-                       "keeps them), the logits in compute dtype + float32 log-softmax and "
-                       f"gradient (1b with remat: {format_bytes(sample['total'])})",
-        "remat": "on: each layer keeps its input, one layer recomputed at a time; off: every "
-                 "layer keeps all",
-        "stage 3": "+ one gathered unit (the largest layer or vocabulary table) and its "
-                   "gradient in compute dtype",
-        "shapes": f"{len(family)} GPT shapes: the presets {', '.join(FAMILY_PRESETS)} and "
-                  f"GPT-3's table and neighbours (d_ff = 4d); see largest.gpt_family",
-        "not modelled": "fragmentation, XLA's extra temps, collective buffers: keep a margin "
-                        "(zerojax measure compiles the step and reads the real peak)",
-    }
-    if off:
-        facts["offload"] = (
-            "the + offload columns: stages 1-3 with offload='optimizer': the device holds the "
-            "compute params, gradients and activations (peak); the host holds the float32 "
-            + ("master and Adam moments, 12 bytes x Ψ/N per device" if optimizer is None else
-               "master and the optimizer state, (4 + K) bytes x Ψ/N per device")
-            + "; host peak: that state + the gradient shard that comes down + the compute shard "
-            "that goes up (the update runs in place), which must fit the host memory, "
-            + (f"at most {format_bytes(host * (1 - host_margin))} ({format_bytes(host)} "
-               f"less a {100 * host_margin:g}% margin for the operating system, the runtime "
-               f"and the data: --host-margin)" if host is not None else "not limited")
-            + ", and XLA:GPU's pinned-host pool, "
-            + (("not limited" if not pinned else f"at most {format_bytes(pinned)}")
-               + (" (--pinned-limit)" if a.pinned_limit else
-                  f" (${PINNED_LIMIT_ENV} GiB, else XLA's {PINNED_LIMIT_DEFAULT_GB} GiB)"))
-            + "; each step the gradient shard goes down and the compute shard comes up"
-            + (f"; --delayed-update {delayed}: + the pending gradient shard, Ψ/N in the "
-               "gradient's dtype, in host (and host peak), + the next step's compute shard, "
-               "in the device peak" if delayed is not None else "")
-            + "; binds: the memories the next larger shape does not fit; Twin-Flow: the "
-            f"least --offload-fraction (in steps of {TWIN_STEP}) whose devices' share of that "
-            f"host state fits beside the device peak in the memory budget less --margin "
-            f"({100 * a.margin:g}%), so the devices update that share")
-    print_assumptions(f"zerojax plan --largest: {a.devices} devices with "
-                       f"{format_bytes(a.memory)} each", facts)
-    if a.json:
-        def both(r):
-            out = {"fits": r["fits"] and r["fits"].as_dict(),
-                   "next": r["next"] and r["next"].as_dict(), "binds": r["binds"]}
-            if r["offload"] and r["fits"]:
-                out["twin_flow_fraction"] = twin_flow_fraction(r["fits"], a.memory,
-                                                               margin=a.margin)
-            return out
-
-        out = [{"stage": r["stage"], "remat": r["remat"], **both(r),
-                "offload": both(off[k]) if (k := (r["stage"], r["remat"])) in off else None}
-               for r in rows]
-        print(json.dumps({"devices": a.devices, "device_memory": a.memory, "batch": batch,
-                          "host_memory": host, "host_margin": host_margin,
-                          "pinned_limit": pinned,
-                          "param_dtype": dtype, "assumptions": facts, "largest": out},
-                         indent=1))
-        return 0 if any(r["fits"] for r in [*rows, *off.values()]) else 1
-    fmt = format_bytes
-    table = []
-    for r in rows:
-        f, nx = r["fits"], r["next"]
-        table.append({
-            "stage": r["stage"], "remat": "on" if r["remat"] else "off",
-            "largest": f.name if f else "none",
-            "params": f"{f.num_params / 1e9:.2f}B" if f else "-",
-            "peak": fmt(f.peak) if f else "-", "state": fmt(f.state) if f else "-",
-            "activations": fmt(f.activations) if f else "-",
-            "stage-3 unit": fmt(f.gathered) if f and f.gathered else "-",
-            "next larger": f"{nx.name} ({nx.num_params / 1e9:.2f}B): {fmt(nx.peak)}"
-                           if nx else "-"})
-        if off:
-            o = off.get((r["stage"], r["remat"]))
-            fo = o and o["fits"]
-            table[-1].update({
-                "+ offload": fo.name if fo else "none" if o else "-",
-                "offload params": f"{fo.num_params / 1e9:.2f}B" if fo else "-",
-                "device peak": fmt(fo.peak) if fo else "-",
-                "host": fmt(fo.host) if fo else "-",
-                "host peak": fmt(fo.host_peak) if fo else "-",
-                "host<->device": fmt(fo.transfer) if fo else "-",
-                "binds": " + ".join(o["binds"]) if o and o["binds"] else "-",
-                "Twin-Flow": "--offload-fraction "
-                             f"{twin_flow_fraction(fo, a.memory, margin=a.margin):.2f}"
-                             if fo else "-"})
-    print_table(f"Largest GPT per stage on {a.devices} devices with {format_bytes(a.memory)} "
-                 f"each (estimated)", table)
-    if not any(r["fits"] for r in [*rows, *off.values()]):
-        print(f"nothing fits: the smallest shape, {next(iter(family))}, needs more than "
-              f"{format_bytes(a.memory)}", file=sys.stderr)
-        return 1
-    return 0

@@ -28,10 +28,11 @@ from zerojax.analysis.console import (
     size_arg,
     stages_arg,
 )
-from zerojax.analysis.largest import largest_main
+from zerojax.analysis.largest_command import largest_main
 from zerojax.analysis.plan_report import chosen_line, rows, title
 from zerojax.analysis.planning import named_optimizer, plan
 from zerojax.analysis.steptime import EFFICIENCY
+from zerojax.config import OFFLOAD_DEVICES
 
 
 def pinned_arg(text: str) -> int | str:
@@ -73,6 +74,16 @@ def plan_main(argv: list[str]) -> int:
                         "gradient shard on its way to the host must fit, e.g. 110GiB, or none "
                         "(default: "
                         "$XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB GiB, else XLA's 64 GiB)")
+    p.add_argument("--offload-device", choices=OFFLOAD_DEVICES, default="cpu",
+                   help="--largest: where the offload columns keep the optimizer state: cpu "
+                        "(host memory) or nvme (ZeRO-Infinity: on disk, streamed through a "
+                        "ring of host buffers; adds a disk column)")
+    p.add_argument("--nvme-path", default=None, metavar="DIR",
+                   help="--largest --offload-device nvme: the directory of the store; its file "
+                        "system's free space, shared by the --devices, bounds the state on disk")
+    p.add_argument("--nvme-bytes", type=disk_arg, default=None,
+                   help="--largest --offload-device nvme: disk space per device the store may "
+                        "use, e.g. 2TB, instead of --nvme-path (default: not limited)")
     p.add_argument("--delayed-update", type=non_negative_arg, default=None, metavar="K",
                    help="--largest: the offload columns with the delayed parameter update "
                         "(train --delayed-update K): + its pending gradient shard in host "
@@ -113,6 +124,10 @@ def plan_main(argv: list[str]) -> int:
     if a.delayed_update is not None and not a.largest:
         p.error(f"--delayed-update {a.delayed_update} sizes --largest's offload columns; add "
                 f"--largest")
+    nvme = [f for f, v in (("--offload-device nvme", a.offload_device == "nvme" or None),
+                           ("--nvme-path", a.nvme_path), ("--nvme-bytes", a.nvme_bytes)) if v]
+    if nvme and not a.largest:
+        p.error(f"{', '.join(nvme)} size --largest's offload columns; add --largest")
     if a.largest:
         return largest_main(p, a)
     name, shape = model_config(p, a)
@@ -264,6 +279,14 @@ def _plan_label(c, devices: int) -> str:
     mesh = f" on {c.mesh_text(devices)}" if c.replica > 1 or c.model > 1 else ""
     zeropp = f" + {c.zeropp()}" if c.zeropp() else ""
     return _label(c.stage, c.remat, c.grad_accum, c.offload) + mesh + zeropp
+
+
+def disk_arg(text: str) -> float:
+    """A size (e.g. 2TB); a negative one is refused by name (argparse would read it as 0)."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the disk space per device, more than 0 "
+                                         f"bytes, e.g. 2TB")
+    return size_arg(text)
 
 
 def model_parallel_arg(text: str) -> tuple[int, ...] | None:

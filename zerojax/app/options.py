@@ -87,6 +87,13 @@ class TrainConfig:
     offload_fraction: float | None = None
     """With --offload: the host's share of the params' master, optimizer state and update, in
     (0, 1] (default 1); the devices keep and update the rest (Twin-Flow)."""
+    offload_device: Literal["cpu", "nvme"] = "cpu"
+    """With --offload: where the host's share of the fp32 master and Adam moments lives: cpu
+    (host memory) or nvme (ZeRO-Infinity: files under --nvme-path, streamed through the
+    host's update every step; --optimizer adamw)."""
+    nvme_path: str | None = None
+    """With --offload-device nvme: the directory of this process's store, on a fast local
+    disk (a working copy: the checkpoints stay the record)."""
     quantize_weights: Literal["int8"] | None = None
     """ZeRO++ qwZ (stages 1-3): gather params as block-quantized int8 (half of bf16's bytes)."""
     quantize_grads: Literal["int8", "int4"] | None = None
@@ -270,6 +277,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             cfg.offload_fraction, bool) or not 0 < cfg.offload_fraction <= 1):
         raise UsageError(f"--offload-fraction {cfg.offload_fraction} needs --offload optimizer "
                          f"and a value in (0, 1]: the host's share of the params' update")
+    if cfg.offload_device not in ("cpu", "nvme"):
+        raise UsageError(f"--offload-device={cfg.offload_device!r} is not an offload device; "
+                         f"use cpu or nvme")
+    if cfg.offload_device == "nvme" and (cfg.offload is None or not cfg.nvme_path):
+        raise UsageError("--offload-device nvme needs --offload optimizer and --nvme-path DIR "
+                         "(the directory of this process's store, on a fast local disk)")
+    if cfg.nvme_path is not None and cfg.offload_device != "nvme":
+        raise UsageError(f"--nvme-path {cfg.nvme_path} needs --offload-device nvme (got "
+                         f"--offload-device {cfg.offload_device}); add --offload-device nvme")
     if cfg.quantize_weights is not None and cfg.stage == 0:
         raise UsageError(f"--quantize-weights {cfg.quantize_weights} needs --stage 1, 2 or 3 "
                          f"(got --stage 0): stage 0 gathers no params; use --quantize-grads")

@@ -96,13 +96,15 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
             eval_s, step, interrupted, flops: dict[str, Any] | None = None,
             host_update: str | None = None,
             host_memory: dict[str, int] | None = None,
-            resumed: dict[str, Any] | None = None) -> dict[str, Any]:
+            resumed: dict[str, Any] | None = None,
+            nvme: dict[str, Any] | None = None) -> dict[str, Any]:
     """The contents of `summary.json`; `flops`: the model FLOPs per step (`per_step`), their
     `formula`, and the per-device `peak_tflops` (or None) and where it comes from;
     `host_update`: `Engine.host_update` (offload: "fused" or "xla: <why>"); `host_memory`:
     `runlog.host_memory()` at the end (this process's resident set and its peak); `resumed`:
     a resume's step and the options it changed ({"from_step", "changed": {option: [saved,
-    now]}}), None for a fresh run."""
+    now]}}), None for a fresh run; `nvme`: an NVMe run's store and the I/O of its updates
+    (bytes read and written, seconds, GB/s: `offload.disk.DiskOffload.io`), else None."""
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     steady = times[1:] or times
@@ -126,6 +128,7 @@ def summary(cfg, records, times, num_params, devices, mesh, estimate, measured, 
         "memory_per_device": {"estimate": estimate.as_dict(), "measured_state_bytes": measured},
         "host_update": host_update,
         "host_memory": host_memory or {},
+        "nvme": nvme,
         "timings": {
             "wall_s": wall_s,
             "first_step_s": times[0] if times else None,  # includes compilation

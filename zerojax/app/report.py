@@ -96,6 +96,9 @@ def host_update_text(kind: str) -> str:
     """`Engine.host_update` as the start-up table says it."""
     if kind == "fused":
         return "AdamW as one fused pass per leaf on every host core (in place)"
+    if kind == "nvme":
+        return ("AdamW as one fused pass per leaf streamed from and to the NVMe store (reads "
+                "ahead, writes behind)")
     return f"the optimizer's XLA program on the host ({kind.removeprefix('xla: ')})"
 
 
@@ -128,12 +131,32 @@ class RunEstimate:
         return STATE.get(self.optimizer, f"{self.optimizer} state")
 
 
-def memory_rows(estimate: RunEstimate, measured: int,
-                measured_host: int = 0) -> list[tuple[str, str]]:
+def memory_rows(estimate: RunEstimate, measured: int, measured_host: int = 0,
+                disk: dict | None = None) -> list[tuple[str, str]]:
     """Per-device model-state bytes: the estimate by component and the measured state arrays
-    (`measured` counts every array; `measured_host` those in host memory)."""
+    (`measured` counts every array; `measured_host` those in host memory); `disk`: an NVMe
+    run's store (`offload.disk.disk_io`), whose master and moments are on disk."""
     m, dtype, fmt = estimate.memory, estimate.param_dtype, format_bytes
     share = MASTER_BYTES / (MASTER_BYTES + estimate.state_bytes)  # the master's part of K
+    if estimate.offload and disk is not None:
+        master = (m.host - m.pending) * share
+        ring = 12 * disk["buffer_size"] * disk["buffer_count"]
+        return [
+            ("memory/device", f"{fmt(estimate.state)} estimated in device memory = {dtype} "
+                              f"params {fmt(m.params)}"),
+            ("memory/disk", f"{fmt(m.host - m.pending)} estimated on disk (nvme) = float32 "
+                            f"master {fmt(master)} + {estimate.held} "
+                            f"{fmt(m.host - master - m.pending)}; {fmt(disk['store_bytes'])} "
+                            f"measured: this process's store in {disk['path']} "
+                            f"({disk['shards']} shard(s), each leaf's arrays padded to 4 KiB; "
+                            f"{'O_DIRECT' if disk['direct'] else 'buffered'})"),
+            ("memory/host", f"{fmt(ring)} of I/O buffers per shard (kept between steps) "
+                            f"({disk['buffer_count']} × {disk['buffer_size']:,} elements of "
+                            f"master and moments) + the gradient and compute shards while a "
+                            f"step runs; {fmt(measured_host)} measured (the counts)"),
+            ("", f"+ grads {fmt(m.grads)} ({estimate.grad_dtype or dtype}) only while a step "
+                 f"runs; {fmt(m.transfer)} host<->device per step"),
+        ]
     if estimate.offload:
         master = (m.host - m.pending) * share
         return [
@@ -310,6 +333,8 @@ def offload_text(cfg, applied: float | None = None) -> str:
     if abs(share - asked) >= 5e-3:
         where += (f"; {asked:g} asked, the devices take whole groups of leaves as the update "
                   f"ties them")
+    if getattr(cfg, "offload_device", "cpu") == "nvme":
+        where = f"NVMe: the master and moments in a store in {cfg.nvme_path}"
     delayed = ("" if k is None else ", delayed update from the first step" if k == 0 else
                f", delayed update after {k} ordinary step{'s' * (k != 1)}")
     return f", offload {cfg.offload} ({where}){delayed}"

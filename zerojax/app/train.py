@@ -135,6 +135,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
     from zerojax.engine import Engine
     from zerojax.mesh import make_mesh
     from zerojax.models import get_model
+    from zerojax.offload.disk import disk_io
 
     t_start = time.perf_counter()
     pi, pc = jax.process_index(), jax.process_count()
@@ -162,7 +163,8 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                           offload=cfg.offload, quantize_weights=cfg.quantize_weights,
                           quantize_grads=cfg.quantize_grads, hpz=cfg.hpz,
                           delayed_update=cfg.delayed_update,
-                          offload_fraction=cfg.offload_fraction or 1.0)
+                          offload_fraction=cfg.offload_fraction or 1.0,
+                          offload_device=cfg.offload_device, nvme_path=cfg.nvme_path)
     if cfg.resume:  # before the optimizer is built: a resume continues the saved one
         from zerojax.checkpoint import read_metadata
         from zerojax.checkpoint.load import MisnamedStep, misnamed_note
@@ -235,7 +237,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
         + report.model_rows(engine)
         + ([("host update", report.host_update_text(engine.host_update))]
            if engine.host_update else [])
-        + report.memory_rows(estimate, measured, measured_host)
+        + report.memory_rows(estimate, measured, measured_host, disk_io(engine))
         + report.comm_rows(cfg, num_params, len(devices), split, model.cfg)
         + [("flops", f"{flops.format_flops(step_flops)} per step = {flops.formula(model)}; "
                      + (f"MFU against {peak:g} TFLOP/s per device ({peak_from})" if peak
@@ -339,7 +341,7 @@ def train(cfg: TrainConfig, data: tuple[np.ndarray, np.ndarray, str],
                               flops={"per_step": step_flops, "formula": flops.formula(model),
                                      "peak_tflops": peak, "peak_from": peak_from},
                               host_update=engine.host_update, host_memory=host_memory(),
-                              resumed=resumed)
+                              resumed=resumed, nvme=disk_io(engine))
     if lead:
         records.finish(out, summary)
     if watch is not None:
@@ -367,9 +369,11 @@ def check_host_memory(cfg: TrainConfig, model, optimizer, devices, process: int)
     if need <= free:
         return
     mine = round(need / estimate.memory.host_peak)  # this process's devices
+    when = "while the state is built, saved or restored (the NVMe tier holds it whole then; " \
+        "docs/nvme.md)" if cfg.offload_device == "nvme" else "while the update runs"
     raise UsageError(
         f"--offload {cfg.offload}: this process's {mine} device(s) need about {fmt(need)} of "
-        f"host memory while the update runs ({fmt(estimate.memory.host_peak)} each: the "
+        f"host memory {when} ({fmt(estimate.memory.host_peak)} each: the "
         f"float32 master, the {estimate.held}, the gradient and compute shards; `zerojax "
         f"estimate` counts it), but {fmt(free)} is available; train a smaller --model, keep "
         f"part of the state on the devices (--offload-fraction below 1), or spread the run "

@@ -55,6 +55,7 @@ def logical(engine, state: TrainState) -> dict:
                              "engine.saveable(state) gives it (the pending update applied)")
         lag = engine._delay.lagging(state.compute)
     if engine.config.offload is not None:
+        engine._offload.check_logical(state)  # the NVMe tier's: read from its store first
         state = on_device(state)
     tree = {"params": engine.layout.from_flat(state.master),
             "opt_state": key_data(engine.plan.update.logical(state.opt_state)),

@@ -13,5 +13,7 @@ parts run side by side, each from a thread of its own), twin_flow.py (which leav
 devices: Twin-Flow; where each hosted leaf lives), delayed.py (the delayed update: DPU),
 fused.py and fused_adamw.cc (`zerojax.adamw`: the host update as one fused pass per leaf,
 built at first use), store.py, nvme.py and nvme_adamw.cc (the NVMe tier: the state in
-files, streamed through the same arithmetic, adamw_math.h).
+files, streamed through the same arithmetic, adamw_math.h), disk.py (the NVMe tier in the
+engine, `offload_device="nvme"`; `offload_of` picks the tier) and disk_delayed.py (its
+delayed update's dry passes).
 """

@@ -70,6 +70,17 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
 
     # ------------------------------------------------------------ what the engine asks
 
+    def abstract(self, state):
+        """`Engine.abstract_state`'s shapes as this tier's state holds them."""
+        return state
+
+    def check_logical(self, state):
+        """`Engine.logical`'s check of a state (the NVMe tier refuses its placeholders)."""
+
+    def saveable(self, state):
+        """`Engine.saveable`: with delayed_update, the pending update applied."""
+        return self.settled(state) if self.k is not None else state
+
     def host_update(self) -> str:
         """`Engine.host_update`: "fused" or "xla: <why not fused>"."""
         self.engine.layout  # noqa: B018 -- raises a clear error before init
