@@ -42,16 +42,6 @@ gc.set_threshold(100_000, 50, 100)
 
 import jax  # noqa: E402
 
-# jax reads its JAX_* variables when it is imported, and pytest may import it before this file
-# (pyproject's filterwarnings names zerojax.config.DelayWarning, which imports the package):
-# the settings above are given to jax's config too, or the session's processes compile every
-# program afresh and only their subprocesses share the cache.
-jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-jax.config.update("jax_persistent_cache_min_entry_size_bytes",
-                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
