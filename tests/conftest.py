@@ -15,10 +15,11 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache for the session, in a fresh directory: the two workers and
-# every subprocess they start (environment variables reach them all) compile each program once.
-# Many tests build the same engine on the same model; an executable loaded from the cache is
-# the one XLA compiled for the same HLO and options, so nothing a test checks changes.
+# One persistent compilation cache for the session, in a fresh directory: every subprocess the
+# workers start (environment variables reach them all) compiles each program once. The workers
+# themselves import jax before this file and run without it (docs/testing.md says why it stays
+# so). An executable loaded from the cache is the one XLA compiled for the same HLO and
+# options, so nothing a test checks changes.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax-tests-xla-")
     os.environ["ZEROJAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
