@@ -99,6 +99,40 @@ def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
     disk._offload.close()
 
 
+def test_init_writes_the_state_to_the_store_a_part_at_a_time(tmp_path, monkeypatch):
+    """init builds the hosted state in parts (`_by_parts`) and writes each master and moment
+    leaf to the store as its part is done: the float32 arrays alive while it writes stay well
+    under the store's bytes (built whole and then written, they were all of them), and the
+    store holds the host tier's state bitwise. (From given params: the random draw, compiled
+    per part, may round otherwise in its last bits than the host tier's one-program build on
+    CPU devices, as the host tier's own build by parts does on a GPU's host.)"""
+    from zerojax.offload import disk as tier
+
+    live = []
+    call = tier._ToStore.__call__
+
+    def counting(self, k, x):
+        live.append(sum(a.nbytes for a in jax.live_arrays() if a.dtype == np.float32))
+        return call(self, k, x)
+
+    monkeypatch.setattr(tier._ToStore, "__call__", counting)
+    mesh = zj.make_mesh(data=4, devices=jax.devices()[:4])
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=3,
+                      param_dtype="bfloat16")
+    params = jax.jit(tiny_gpt().init)(jax.random.key(0))
+    given = sum(a.nbytes for a in jax.live_arrays() if a.dtype == np.float32)
+    s1 = disk.init_from(params, BATCHES[0])
+    store = disk._offload.store
+    assert live and store.clean
+    assert max(live) - given < 0.5 * store.bytes, (max(live) - given, store.bytes)
+    s0 = host.init_from(params, BATCHES[0])
+    assert placeholders(disk, s1)
+    assert_bitwise(disk.params(s1), host.params(s0))
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert_bitwise(s1.compute, s0.compute)
+    disk._offload.close()
+
+
 def test_a_float16_run_skips_its_overflowing_steps_as_the_host_tier(tmp_path):
     """SeedMLP's gradients overflow float16 at a scale of 2**17: the first steps are skipped
     (the store's master and moments read, not written) and the run goes on bitwise the host
