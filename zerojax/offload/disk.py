@@ -13,8 +13,8 @@ Whatever reads the state whole reads it from the store, a leaf at a time: `Engin
 `optimizer_state` and a save (`saveable`) build the master and moments on the host mesh from
 the files, so a save holds the whole state in host memory while it runs (the checkpoint wing
 writes one tree); `init` and `init_from` write each part of the state to the store as its
-program is done (`_ToStore`), `restore` each leaf once the state is built; the steps hold a
-few I/O buffers.
+program is done (`_ToStore`; a small state on CPU devices whole), `restore` each leaf once
+the state is built; the steps hold a few I/O buffers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.errors import ConfigError, StateError
 from zerojax.offload.disk_delayed import DryPasses
 from zerojax.offload.fused import spec_of
-from zerojax.offload.host import HostOffload
+from zerojax.offload.host import RESTORE_LEAST, HostOffload
 from zerojax.offload.nvme import StreamedAdamW
 from zerojax.offload.store import Store
 from zerojax.offload.twin_flow import HOSTED
@@ -294,8 +294,8 @@ class DiskOffload(DryPasses, HostOffload):
     # ------------------------------------------------------------ the host tier's hooks
 
     def built(self, build, args, homes):
-        self._open()  # a store refused (another run's, a full disk) before the build
-        if self.split()[0]:  # Twin-Flow: built whole as the host tier's, then to the store
+        small = self._open().bytes < RESTORE_LEAST  # (a store refused before the build)
+        if self.split()[0] or small and self.mesh is self.engine.mesh:  # as the host tier's
             return self._to_store(super().built(build, args, homes))
         with self._bulk():  # each part of the state to the store as it is made
             return super().built(build, args, homes, sink=_ToStore(self))
