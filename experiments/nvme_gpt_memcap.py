@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     res["state_over_cap"] = round(res["state_bytes"] / args.cap, 3)
     res["holds"] = bool(nv and cpu and nv["rc"] == 0 and nv["phases"][-1]["phase"] == "done"
                         and nv["peak"] < args.cap and cpu["oom_killed"])
-    print("the NVMe tier trains over the cap, the host tier is killed" if res["holds"] else
+    print("the NVMe tier trains under the cap, the host tier is killed by it" if res["holds"] else
           "NOT shown: see the runs above")
     return res
 
