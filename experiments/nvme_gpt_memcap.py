@@ -9,13 +9,12 @@ CPU device, each tier's run in a process under a cgroup memory cap of `--cap` by
     cpu   offload_device="cpu" (the host tier): the same run, its state whole in memory
 
 On CPU the devices' memory is host memory too: the cap holds the bf16 params, the gradients
-program's buffers and the runtime beside what the tier keeps in memory. That program's
-arguments, outputs and temporaries come to about 13.5 bytes a param on XLA:CPU (measured from
-its `memory_analysis`: docs/nvme.md), more than the state's 12, so on CPU the cap that the
-NVMe run fits under is above the state's bytes, and the host tier's run needs both. The
-script prints the state's bytes (fp32 master and two moments), the cap, each run's cgroup
-peak, its phases and step times; `holds`: the NVMe run did all it was asked under the cap and
-the host tier's was killed by it.
+program's buffers and the runtime beside what the tier keeps in memory. The NVMe run's peak
+is that program's: 11.2 bytes a param at 18 layers on XLA:CPU (docs/nvme.md), near the
+state's 12, so on CPU the cap the NVMe run fits under is about the state's bytes, not 1/1.5
+of them; the host tier's run needs both. The script prints the state's bytes (fp32 master
+and two moments), the cap, each run's cgroup peak, its phases and step times; `holds`: the
+NVMe run did all it was asked under the cap and the host tier's was killed by it.
 
     .venv/bin/python experiments/nvme_gpt_memcap.py --cap 14e9 --steps 3
 """
