@@ -137,6 +137,32 @@ def test_init_writes_the_state_to_the_store_a_part_at_a_time(tmp_path, monkeypat
     disk._offload.close()
 
 
+def test_on_a_host_mesh_apart_init_by_parts_is_the_host_tiers_bitwise(tmp_path, monkeypatch):
+    """With the host mesh apart from the devices' (a GPU's host; CPU devices 4-7 here) both
+    tiers build by parts, the NVMe tier writing each part to the store as it is done: the
+    same state from a key to the last bit, and the same first step."""
+    from jax.sharding import Mesh
+
+    import zerojax.offload.host as host_module
+
+    devices = jax.devices()
+    monkeypatch.setattr(host_module, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=3,
+                      param_dtype="bfloat16")
+    s0 = host.init(jax.random.key(0), BATCHES[0])
+    s1 = disk.init(jax.random.key(0), BATCHES[0])
+    assert placeholders(disk, s1) and disk._offload.store.clean
+    assert_bitwise(disk.params(s1), host.params(s0))
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert_bitwise(s1.compute, s0.compute)
+    (s0, m0), (s1, m1) = host.step(s0, BATCHES[1]), disk.step(s1, BATCHES[1])
+    assert float(m0["loss"]) == float(m1["loss"])
+    assert_bitwise(disk.params(s1), host.params(s0))
+    disk._offload.close()
+
+
 def test_a_float16_run_skips_its_overflowing_steps_as_the_host_tier(tmp_path):
     """SeedMLP's gradients overflow float16 at a scale of 2**17: the first steps are skipped
     (the store's master and moments read, not written) and the run goes on bitwise the host
