@@ -3,6 +3,8 @@ tier's numbers bitwise, single-device optax's within the usual tolerance, its st
 its checkpoints ordinary ones, and what it refuses."""
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -96,6 +98,68 @@ def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
         assert device and all(store.shards[0][i] == 0 for i in device)
         assert all(jax.tree.leaves(state.master)[i].size > 0 for i in device)
     assert store.direct or store.io  # O_DIRECT where the file system takes it
+    disk._offload.close()
+
+
+def test_init_writes_the_state_to_the_store_a_part_at_a_time(tmp_path, monkeypatch):
+    """init builds the hosted state in parts (`_by_parts`) and writes each master and moment
+    leaf to the store as its part is done: the float32 arrays alive while it writes stay well
+    under the store's bytes (built whole and then written, they were all of them), and the
+    store holds the host tier's state bitwise. (From given params: the random draw, compiled
+    per part, may round otherwise in its last bits than the host tier's one-program build on
+    CPU devices, as the host tier's own build by parts does on a GPU's host; so on CPU
+    devices a state under RESTORE_LEAST is built whole, as the host tier's.)"""
+    from zerojax.offload import disk as tier
+
+    live = []
+    call = tier._ToStore.__call__
+
+    def counting(self, k, x):
+        live.append(sum(a.nbytes for a in jax.live_arrays() if a.dtype == np.float32))
+        return call(self, k, x)
+
+    monkeypatch.setattr(tier._ToStore, "__call__", counting)
+    monkeypatch.setattr(tier, "RESTORE_LEAST", 0)  # by parts however small the state
+    mesh = zj.make_mesh(data=4, devices=jax.devices()[:4])
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=3,
+                      param_dtype="bfloat16")
+    params = jax.jit(tiny_gpt().init)(jax.random.key(0))
+    given = sum(a.nbytes for a in jax.live_arrays() if a.dtype == np.float32)
+    s1 = disk.init_from(params, BATCHES[0])
+    store = disk._offload.store
+    assert live and store.clean
+    assert max(live) - given < 0.5 * store.bytes, (max(live) - given, store.bytes)
+    s0 = host.init_from(params, BATCHES[0])
+    assert placeholders(disk, s1)
+    assert_bitwise(disk.params(s1), host.params(s0))
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert_bitwise(s1.compute, s0.compute)
+    disk._offload.close()
+
+
+def test_on_a_host_mesh_apart_init_by_parts_is_the_host_tiers_bitwise(tmp_path, monkeypatch):
+    """With the host mesh apart from the devices' (a GPU's host; CPU devices 4-7 here) both
+    tiers build by parts, the NVMe tier writing each part to the store as it is done: the
+    same state from a key to the last bit, and the same first step."""
+    from jax.sharding import Mesh
+
+    import zerojax.offload.host as host_module
+
+    devices = jax.devices()
+    monkeypatch.setattr(host_module, "host_mesh", lambda m: Mesh(np.array(devices[4:8]).reshape(
+        m.devices.shape), m.axis_names, axis_types=m.axis_types))
+    mesh = zj.make_mesh(data=4, devices=devices[:4])
+    host, disk = pair(tiny_gpt(), fused_adamw, mesh, tmp_path / "s", stage=3,
+                      param_dtype="bfloat16")
+    s0 = host.init(jax.random.key(0), BATCHES[0])
+    s1 = disk.init(jax.random.key(0), BATCHES[0])
+    assert placeholders(disk, s1) and disk._offload.store.clean
+    assert_bitwise(disk.params(s1), host.params(s0))
+    assert_bitwise(disk.optimizer_state(s1), host.optimizer_state(s0))
+    assert_bitwise(s1.compute, s0.compute)
+    (s0, m0), (s1, m1) = host.step(s0, BATCHES[1]), disk.step(s1, BATCHES[1])
+    assert float(m0["loss"]) == float(m1["loss"])
+    assert_bitwise(disk.params(s1), host.params(s0))
     disk._offload.close()
 
 
@@ -413,3 +477,29 @@ def test_two_processes_keep_a_store_each_and_train_as_the_host_tier(tmp_path):
     for p in (tmp_path / "s").iterdir():
         meta = json.loads((p / META).read_text())
         assert meta["state"] == "clean" and list(meta["shards"]) == [p.name[-1]]
+
+
+@pytest.mark.slow
+def test_a_gpt_trains_on_the_nvme_tier_under_a_cap_that_kills_the_host_tier():
+    """experiments/nvme_gpt_memcap.py at the 1b preset's width, 4 layers (0.21B params, one
+    CPU device, bf16, stage 3): under a cap the NVMe run inits and trains 3 steps, its
+    cgroup's peak under the cap, where the host tier's run is killed by it. (On CPU the
+    devices' memory is the host's too: the cap holds the gradients program, about 13 bytes a
+    param, beside the tier's memory; docs/nvme.md has the 18-layer run.)"""
+    sys.path[:0] = [str(Path(__file__).parents[1] / d) for d in ("experiments", "scripts")]
+    import memcap
+    import nvme_gpt_memcap
+
+    why = memcap.available()
+    if why:
+        pytest.skip(why)
+    res = nvme_gpt_memcap.main(["--cap", CAP_4_LAYERS, "--layers", "4", "--steps", "3"])
+    disk, host = res["nvme"], res["cpu"]
+    assert disk["rc"] == 0 and not disk["oom_killed"] and disk["peak"] < res["cap"], disk
+    steps = [x for x in disk["phases"] if x["phase"] == "step"]
+    assert len(steps) == 3 and all(np.isfinite(x["loss"]) for x in steps)
+    assert host["oom_killed"] and host["rc"] == -9, host
+    assert res["holds"]
+
+
+CAP_4_LAYERS = "4.5e9"  # the NVMe run's peak measured 2.87 GB; the host tier's killed in its init

@@ -742,8 +742,8 @@ def test_init_from_reads_the_given_params_1_over_n_per_device(monkeypatch, offlo
         return lambda *args: seen.append(args[0]) or jitted(*args)
 
     monkeypatch.setattr(jax, "jit", spying)
-    monkeypatch.setattr(host, "_by_parts", lambda fn, args, s: seen.append(args[0]) or
-                        by_parts(fn, args, s))
+    monkeypatch.setattr(host, "_by_parts", lambda fn, args, s, *sink: seen.append(args[0]) or
+                        by_parts(fn, args, s, *sink))
     eng = zj.Engine(tiny_gpt(), adamw(), mesh, zj.ZeroConfig(stage=3, offload=offload))
     params = tiny_gpt().init(jax.random.key(0))
     state = eng.init_from(params, gpt_batch(tiny_gpt().cfg, 8, 0))

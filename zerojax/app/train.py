@@ -369,7 +369,7 @@ def check_host_memory(cfg: TrainConfig, model, optimizer, devices, process: int)
     if need <= free:
         return
     mine = round(need / estimate.memory.host_peak)  # this process's devices
-    when = "while the state is built, saved or restored (the NVMe tier holds it whole then; " \
+    when = "while the state is saved or restored (the NVMe tier holds it whole then; " \
         "docs/nvme.md)" if cfg.offload_device == "nvme" else "while the update runs"
     raise UsageError(
         f"--offload {cfg.offload}: this process's {mine} device(s) need about {fmt(need)} of "

@@ -11,10 +11,10 @@ memory, stepped by the update's program as the host tier's.
 
 Whatever reads the state whole reads it from the store, a leaf at a time: `Engine.params`,
 `optimizer_state` and a save (`saveable`) build the master and moments on the host mesh from
-the files; `init`, `init_from` and `restore` build them as the host tier does and write them
-to the store leaf by leaf, each leaf's arrays freed once written. So a save or a restore
-holds the whole state in host memory while it runs (the checkpoint wing writes and reads one
-tree); the steps between hold a few I/O buffers.
+the files, so a save holds the whole state in host memory while it runs (the checkpoint wing
+writes one tree); `init` and `init_from` write each part of the state to the store as its
+program is done (`_ToStore`; a small state on CPU devices whole), `restore` each leaf once
+the state is built; the steps hold a few I/O buffers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.errors import ConfigError, StateError
 from zerojax.offload.disk_delayed import DryPasses
 from zerojax.offload.fused import spec_of
-from zerojax.offload.host import HostOffload
+from zerojax.offload.host import RESTORE_LEAST, HostOffload
 from zerojax.offload.nvme import StreamedAdamW
 from zerojax.offload.store import Store
 from zerojax.offload.twin_flow import HOSTED
@@ -294,8 +294,11 @@ class DiskOffload(DryPasses, HostOffload):
     # ------------------------------------------------------------ the host tier's hooks
 
     def built(self, build, args, homes):
-        self._open()  # a store refused (another run's, a full disk) before the build
-        return self._to_store(super().built(build, args, homes))
+        small = self._open().bytes < RESTORE_LEAST  # (a store refused before the build)
+        if self.split()[0] or small and self.mesh is self.engine.mesh:  # as the host tier's
+            return self._to_store(super().built(build, args, homes))
+        with self._bulk():  # each part of the state to the store as it is made
+            return super().built(build, args, homes, sink=_ToStore(self))
 
     def from_logical(self, build, tree, loss_scale: bool, owned: bool):
         self._open()
@@ -415,3 +418,33 @@ class DiskOffload(DryPasses, HostOffload):
         opt = jax.tree.leaves(state.opt_state)
         return self._streamed_fn(finite, plan.reduced_dtype == plan.dtype).lower(
             scalars, [opt[j] for j in self.moments()[2]], grads)
+
+
+class _ToStore:
+    """`HostOffload.built`'s sink (init, init_from): each master and moment leaf written to
+    the store as its part of the build is done, then freed (its compute-dtype shard kept)."""
+
+    def __init__(self, tier: DiskOffload):
+        self.tier, self.store, self.index = tier, tier._open(), tier._shard_index()
+        mu, nu, _ = tier.moments()
+        n = len(tier.engine.layout.leaves)  # the hosted leaves: master's, opt_state's, ...
+        self.where = {k: (i, part) for i in tier.mine()
+                      for k, part in ((i, "master"), (n + mu[i], "mu"), (n + nu[i], "nu"))}
+        self.shards = [None] * n
+        self.cast = jax.jit(lambda x: x.astype(tier.engine.plan.dtype))
+        self.store.begin()
+
+    def __call__(self, k: int, x):
+        if k not in self.where:
+            return x
+        i, part = self.where[k]
+        self.shards[i] = self.cast(x) if part == "master" else self.shards[i]
+        for s in x.addressable_shards:
+            self.store.write_part(self.index[s.device], i, part, np.asarray(s.data))
+        x.delete()
+        return jax.device_put(np.zeros(0, np.float32), NamedSharding(self.tier.mesh, P()))
+
+    def done(self, state):
+        tier, _ = self.tier, self.store.commit(step=int(jax.device_get(state.step)))
+        tier._token = jax.tree.leaves(state.master)[tier.mine()[0]]
+        return state._replace(compute=tier._compute_of(tier.up(self.shards), state.compute))

@@ -106,7 +106,7 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
 
     # ------------------------------------------------------------ the state, built
 
-    def built(self, build, args, homes):
+    def built(self, build, args, homes, sink=None):
         """The state `build(*args)` makes, each part by a program of the mesh it lives on: the
         master, optimizer state (and pending update) by the host mesh's, the rest by the
         devices', and the compute params from the new master's compute-dtype shards by the
@@ -117,10 +117,13 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
         than the one-program build's; from given params, as `init_from`, the two builds are
         bitwise the same.) `homes`: per argument, its shardings on the devices' mesh (given
         params: 1/N per device), which the host's program reads it by on its own mesh; None:
-        replicated."""
+        replicated. `sink` (the NVMe tier's): takes each hosted leaf not Twin-Flow's as its
+        part is done, by its index among them, and gives what the state holds in its place;
+        the state is then `sink.done(state)`, not refreshed here (the parts' programs run on
+        CPU devices too)."""
         eng, arg_homes = self.engine, homes
         homes = eng.state_shardings()
-        if self.mesh is eng.mesh:  # CPU devices: one program, as without offload
+        if self.mesh is eng.mesh and sink is None:  # CPU devices: one program, as without offload
             return jax.jit(build, out_shardings=homes)(*put_global(args, arg_homes, self.mesh))
 
         # The hosted fields' leaves, and which of them Twin-Flow keeps on the devices.
@@ -142,14 +145,15 @@ class HostOffload(Homes, DelayedUpdate, HostPrograms, HostMoves):
         twin = lambda s: NamedSharding(self.mesh, s.spec)
         on_host = tuple(None if h is None else jax.tree.map(twin, h) for h in arg_homes)
         hosted = iter(_by_parts(host, put_global(args, on_host, self.mesh),
-                                [h for h, k in zip(flat_homes, kept) if not k]))
+                                [h for h, k in zip(flat_homes, kept) if not k], sink))
         if any(kept):  # Twin-Flow's share is built from the params on the devices, 1/N each
             args = put_global(args, arg_homes, eng.mesh)
         state, mine = jax.jit(device, out_shardings=(
             self.device_part(homes), [h for h, k in zip(flat_homes, kept) if k]))(*args)
         mine = iter(mine)
         built = tree.unflatten([next(mine) if k else next(hosted) for k in kept])
-        return self._refreshed(state._replace(**dict(zip(HOSTED, built, strict=True))))
+        state = state._replace(**dict(zip(HOSTED, built, strict=True)))
+        return self._refreshed(state) if sink is None else sink.done(state)
 
     def _refreshed(self, state):
         """`state` with its compute params made from its master's compute-dtype shards by the
@@ -312,12 +316,13 @@ PARTS = 16  # the host build's outputs in about this many programs (init, restor
 RESTORE_LEAST = 1 << 28  # a mesh's restored bytes at least for parts: below, one program
 
 
-def _by_parts(fn, args, shardings):
+def _by_parts(fn, args, shardings, sink=None):
     """`jax.jit(fn, out_shardings=shardings)(*args)` as a few programs, each giving a run of
     consecutive output leaves of about 1/PARTS of the output bytes (or one leaf): XLA drops
     what a part's leaves do not need, so a part's temporaries (the random draw of the params
     it holds) are about its own size. As one program, XLA:CPU held temporaries as large as the
-    state itself (0.97x the host state, small8 preset, measured from `memory_analysis`)."""
+    state itself (0.97x the host state, small8 preset, measured from `memory_analysis`).
+    `sink(i, x)`: what the output holds for leaf i, called as its part is done."""
     shapes, tree = jax.tree.flatten(jax.eval_shape(fn, *args))
     homes = tree.flatten_up_to(shardings)
     out = [None] * len(shapes)
@@ -329,5 +334,5 @@ def _by_parts(fn, args, shardings):
 
         for i, x in zip(part, jax.jit(some, out_shardings=[homes[i] for i in part])(*args),
                         strict=True):
-            out[i] = x
+            out[i] = x if sink is None else sink(i, x)
     return jax.tree.unflatten(tree, out)

@@ -302,13 +302,17 @@ class Store:
         """Writes a leaf's master and moments (None: zeros, an optimizer's first state) a
         block at a time from anything sliceable of the leaf's size (a numpy array, a memmap,
         a CPU jax array), so no more than a block of each is copied at once."""
-        n, step = self.shards[shard][leaf], self.chunk()
         for part, src in zip(PARTS, (master, mu, nu), strict=True):
-            flat = None if src is None else _flat(src, n)
-            for lo in range(0, n, step):
-                k = min(step, n - lo)
-                block = np.zeros(k, np.float32) if flat is None else flat[lo:lo + k]
-                self.write(shard, leaf, part, lo, block)
+            self.write_part(shard, leaf, part, src)
+
+    def write_part(self, shard: int, leaf: int, part: str, src=None):
+        """Writes `part` of a leaf as `write_leaf` does (None: zeros)."""
+        n, step = self.shards[shard][leaf], self.chunk()
+        flat = None if src is None else _flat(src, n)
+        for lo in range(0, n, step):
+            k = min(step, n - lo)
+            block = np.zeros(k, np.float32) if flat is None else flat[lo:lo + k]
+            self.write(shard, leaf, part, lo, block)
 
     def blocks(self, shard: int, leaf: int, part: str) -> Iterator[tuple[int, np.ndarray]]:
         """`part` of a leaf a block at a time: (its first element, the block)."""
