@@ -510,7 +510,8 @@ def test_gpu_bench_script_finds_the_project_venv(tmp_path):
 
 def test_gpu_bench_failed_part_is_reported_not_stale(tmp_path, monkeypatch, capsys):
     gb = _load_gpu_bench()
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # main sets it if unset
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # main sets these if unset:
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")  # not left to later tests
     (tmp_path / "bench.json").write_text("{}")  # from an earlier run
     monkeypatch.setattr(gb, "child", lambda cmd, timeout, log_path: subprocess.CompletedProcess(
         cmd, 1, "", "RESOURCE_EXHAUSTED: out of memory"))

@@ -152,9 +152,10 @@ def test_plan_largest_with_the_disk_tier_reaches_past_the_host(capsys):
         "assumptions"]["offload"] and "at most 2.00 TB per device (--nvme-bytes)" in out[
         "assumptions"]["offload"]
     assert plan_main(["--devices", "1", "--memory", "80GB", "--largest", "--host-memory",
-                      "125GB", "--offload-device", "nvme", "--nvme-bytes", "2TB"]) == 0
+                      "125GB", "--pinned-limit", "64GiB", "--offload-device", "nvme",
+                      "--nvme-bytes", "2TB"]) == 0
     table = capsys.readouterr().out
-    assert "+ offload (nvme)" in table and "gpt3-13b" in table and "155 GB" in table
+    assert "+ offload (nvme)" in table and "gpt3-13b" in table and "155 GB" in table, table
 
 
 def test_plan_largest_with_a_small_disk_binds_at_the_disk(capsys, tmp_path, monkeypatch):
