@@ -18,8 +18,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, in a fresh directory: every subprocess the
 # workers start (environment variables reach them all) compiles each program once. The workers
 # themselves import jax before this file and run without it (docs/testing.md says why it stays
-# so). An executable loaded from the cache is the one XLA compiled for the same HLO and
-# options, so nothing a test checks changes.
+# so). Not every executable loaded from the cache runs as the one XLA compiled: a multi-device
+# program's collectives can go wrong (docs/testing.md, experiments/cpu_cache_collectives.py),
+# which a subprocess running collectives over several devices is exposed to.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax-tests-xla-")
     os.environ["ZEROJAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
