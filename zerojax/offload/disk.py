@@ -133,16 +133,10 @@ class DiskOffload(DryPasses, HostOffload):
 
     def _shard_index(self) -> dict:
         """Each host device to its shard's index in the store: its place in the mesh, as
-        `jax.lax.axis_index` of every axis numbers it in the update's shard_map (manual over
-        the model axis too: a device's shard is its own part of a split leaf)."""
-        mesh, axes = self.mesh, self.mesh.axis_names
-        names, out = mesh.axis_names, {}
-        for pos, d in np.ndenumerate(mesh.devices):
-            k = 0
-            for a in axes:
-                k = k * mesh.devices.shape[names.index(a)] + pos[names.index(a)]
-            out[d] = k
-        return out
+        `jax.lax.axis_index` of every axis (in the mesh's order, row-major) numbers it in the
+        update's shard_map (manual over the model axis too: a device's shard is its own part
+        of a split leaf)."""
+        return {d: k for k, d in enumerate(self.mesh.devices.flat)}
 
     def _identity(self) -> dict:
         eng, cfg = self.engine, self.engine.config
@@ -445,6 +439,7 @@ class _ToStore:
         return jax.device_put(np.zeros(0, np.float32), NamedSharding(self.tier.mesh, P()))
 
     def done(self, state):
-        tier, _ = self.tier, self.store.commit(step=int(jax.device_get(state.step)))
+        tier = self.tier
+        self.store.commit(step=int(jax.device_get(state.step)))
         tier._token = jax.tree.leaves(state.master)[tier.mine()[0]]
         return state._replace(compute=tier._compute_of(tier.up(self.shards), state.compute))
