@@ -69,7 +69,10 @@ def assert_same_run(host, disk, batches):
     return s1
 
 
-@pytest.mark.parametrize("case", sweep(["stage3", "stage1", "stage2", "replica2xdata2",
+# replica 2 x data 2 is the float16 test's mesh (bitwise the host tier, grad_accum 2 and
+# clipping): the test GPT's case there differed from the host tier in its first loss (before
+# any NVMe update) in 1 of 4 clean-clone CI runs, XLA:CPU's collectives (docs/testing.md).
+@pytest.mark.parametrize("case", sweep(["stage3", "stage1", "stage2",
                                         "grad_accum2", "data4xmodel2", "twin_flow"],
                                        quick=["stage3"]))
 def test_the_nvme_tier_is_the_host_tier_bitwise(tmp_path, case):
